@@ -1,0 +1,106 @@
+"""The independent checker: every placement the project emits or reads passes through it.
+
+It shares no code with the solvers: it recomputes what it needs from the instance with plain loops
+and sets, and lists every violation it finds (an empty list means valid).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from placement.model import Instance, InvalidInputError, Placement
+
+__all__ = ["check", "check_or_raise", "violates_group_preservation", "deepep_violations"]
+
+
+def check(instance: Instance, placement: Placement) -> list[str]:
+    """All structural violations of ``placement`` against ``instance``, one message each."""
+    out: list[str] = []
+    par, cl, m = instance.parallel, instance.cluster, instance.model
+    world = par.world_size
+    r2g = [int(x) for x in np.asarray(placement.rank2gpu).reshape(-1)]
+    if len(r2g) != world:
+        out.append(f"rank2gpu: expected {world} ranks (tp*cp*dp*pp), found {len(r2g)}")
+    for r, g in enumerate(r2g):
+        if not 0 <= g < cl.num_gpus:
+            out.append(f"rank2gpu[{r}]: GPU {g} does not exist (cluster has {cl.num_gpus})")
+        elif not bool(cl.available[g]):
+            out.append(f"rank2gpu[{r}]: GPU {g} is unavailable")
+    for g, n in sorted(Counter(r2g).items()):
+        if n > 1:
+            out.append(f"rank2gpu: GPU {g} runs {n} ranks")
+    p2l = np.asarray(placement.phy2log)
+    L, E = m.num_moe_layers, m.num_experts
+    if p2l.ndim != 2 or p2l.shape[0] != L:
+        out.append(f"phy2log: expected {L} MoE layers, found shape {p2l.shape}")
+        return out
+    if p2l.shape[1] != E:
+        out.append(f"phy2log: expected {E} slots per layer (ep x slots per rank), found {p2l.shape[1]}")
+        return out
+    for li in range(L):
+        row = [int(x) for x in p2l[li]]
+        counts = Counter(row)
+        missing = [e for e in range(E) if counts.get(e, 0) == 0]
+        extra = [e for e, c in counts.items() if c > 1 or not 0 <= e < E]
+        if missing or extra:
+            out.append(
+                f"phy2log[{li}]: not a permutation of the {E} experts "
+                f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, repeated or invalid {extra[:5]})"
+            )
+    return out
+
+
+def check_or_raise(instance: Instance, placement: Placement) -> None:
+    """Raise :class:`InvalidInputError` with the first violation (and how many more)."""
+    problems = check(instance, placement)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InvalidInputError(problems[0] + more)
+
+
+def violates_group_preservation(instance: Instance, placement: Placement) -> list[str]:
+    """Layers whose permutation moves an expert out of its group block (group-limited routing).
+
+    A group-preserving map sends each group of ``E/G`` contiguous logical ids onto one block of
+    ``E/G`` contiguous physical slots (whole groups permute among group positions; experts permute
+    inside their group).
+    """
+    m = instance.model
+    size = m.num_experts // m.num_groups
+    out = []
+    for li, row in enumerate(np.asarray(placement.phy2log)):
+        for b in range(m.num_groups):
+            block = {int(e) // size for e in row[b * size : (b + 1) * size]}
+            if len(block) != 1:
+                out.append(f"phy2log[{li}]: slots {b * size}..{(b + 1) * size - 1} mix expert groups {sorted(block)}")
+                break
+    return out
+
+
+def deepep_violations(instance: Instance, placement: Placement) -> list[str]:
+    """EP groups that break DeepEP/HybridEP's rule ``rank == rdma_rank * num_nvl_ranks + nvl_rank``.
+
+    Every EP group must hold the same number of consecutive EP ranks in each NVLink domain it
+    touches, and the domains' slices must not interleave.
+    """
+    par, cl = instance.parallel, instance.cluster
+    out = []
+    for s in range(par.pp):
+        for gi, ranks in enumerate(par.stage_ep_groups[s]):
+            doms = [int(cl.gpu2domain[int(placement.rank2gpu[r])]) for r in ranks]
+            runs: list[tuple[int, int]] = []
+            for d in doms:
+                if runs and runs[-1][0] == d:
+                    runs[-1] = (d, runs[-1][1] + 1)
+                else:
+                    runs.append((d, 1))
+            sizes = {n for _, n in runs}
+            if len(runs) != len({d for d, _ in runs}) or len(sizes) != 1:
+                out.append(
+                    f"stage {s} EP group {gi}: domains {[d for d, _ in runs]} with slices {[n for _, n in runs]} "
+                    "are not equal consecutive slices (DeepEP/HybridEP rule)"
+                )
+    return out
+

@@ -1,0 +1,308 @@
+"""The cost model: the single source of truth for every number the project prints.
+
+For a placement (rank -> GPU, and per MoE layer expert -> EP rank) and a window of sampled tokens,
+:func:`evaluate` returns the cross-domain all-to-all bytes of one training step and everything
+derived from them.  Every solver, benchmark, notebook and report scores placements with it.
+
+How bytes move (DESIGN.md section 3)
+------------------------------------
+A sampled token of data-parallel index ``j`` in MoE layer ``l`` (pipeline stage ``s``) is sent by
+one of the ``tp*cp`` ranks of replica ``j`` in stage ``s`` (sampled tokens are dealt to them in
+turn: ``t % (tp*cp)``), and goes to the GPUs of its EP group that host its top-k experts.
+
+- ``per_domain`` (DeepEP normal kernels, HybridEP; the training default): the token crosses the
+  scale-out fabric once per NVLink domain in ``D(t) \\ {s}`` and is fanned out over NVLink there.
+- ``per_pair`` (Megatron ``alltoall`` dispatcher, DeepEP low-latency): once per expert of the token
+  hosted outside the source domain.
+
+One crossing costs ``2 * (dispatch + combine)`` fabric bytes per step (forward and backward), and
+puts ``dispatch + combine`` bytes on each end's NIC in each direction.  The source GPU's NIC is
+exact.  The receiving NIC is exact in ``per_pair`` (the expert's GPU); in ``per_domain`` the
+landing GPU is the RDMA peer chosen by the kernel, modelled as an even share over the EP group's
+GPUs in the remote domain (what DeepEP's same-local-index peer gives when the group holds equal
+consecutive slices per domain).
+
+NVLink (intra-domain) traffic: in ``per_domain`` every distinct (token, GPU) target other than the
+source GPU receives one copy over NVLink (remote ones after landing); in ``per_pair`` every
+(token, expert) pair hosted on another GPU of the source domain.
+
+A sampled token stands for ``global_batch * seq_len / dp / tokens_per_source`` real tokens of its
+replica in one optimizer step.  The all-to-all time of a layer is the slower of its busiest NIC
+(bytes / ``scaleout_gbps``) and its busiest NVLink port (bytes / ``nvlink_gbps``); a stage's time
+is the sum over its layers, and the step's is the slowest stage's (the pipeline waits for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+
+from placement.model import CostMode, Instance, InvalidInputError, Placement
+
+__all__ = ["Window", "Metrics", "LayoutIndex", "evaluate", "report", "remote_domains_per_token"]
+
+Window = Literal["sampled", "heldout"]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Scores of one placement on one window of tokens, in one cost mode (per optimizer step).
+
+    Arrays are plain lists so the object serialises to JSON with stable keys.
+    """
+
+    cost_mode: str
+    window: str
+    cross_domain_bytes_per_step: float
+    intra_domain_bytes_per_step: float
+    max_gpu_cross_domain_bytes_per_step: float  # busiest NIC, one direction, summed over layers
+    expert_load_max_over_mean: float  # worst MoE layer: max over GPUs / mean, within EP groups
+    remote_domains_per_token: float  # mean over sampled tokens and layers
+    remote_experts_per_token: float
+    alltoall_time_s_per_step: float  # slowest pipeline stage
+    cross_domain_bytes_per_layer: list[float]  # (num_moe_layers,)
+    cross_domain_bytes_per_stage: list[float]  # (pp,)
+    max_gpu_cross_domain_bytes_per_layer: list[float]  # (num_moe_layers,)
+    expert_load_max_over_mean_per_layer: list[float]  # (num_moe_layers,)
+    alltoall_time_s_per_stage: list[float]  # (pp,)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class LayoutIndex:
+    """Everything about a rank layout that scoring needs, computed once.
+
+    ``src_rank``: (pp, dp, tokens_per_source) global rank that sends each sampled token.
+    ``rank2group``: (world,) EP group index within its stage; ``rank2eprank``: (world,) EP rank.
+    """
+
+    def __init__(self, instance: Instance, rank2gpu: np.ndarray, tokens_per_source: int):
+        par = instance.parallel
+        self.instance = instance
+        self.rank2gpu = np.asarray(rank2gpu, dtype=np.int64)
+        groups = par.stage_ep_groups  # (pp, G, ep)
+        self.groups = groups
+        world = par.world_size
+        self.rank2group = np.empty(world, dtype=np.int64)
+        self.rank2eprank = np.empty(world, dtype=np.int64)
+        pp, ngroups, ep = groups.shape
+        self.rank2group[groups.reshape(-1)] = np.repeat(np.tile(np.arange(ngroups), pp), ep)
+        self.rank2eprank[groups.reshape(-1)] = np.tile(np.arange(ep), pp * ngroups)
+        # Sampled token t of replica j in stage s is sent by the (t % n)-th rank of that replica.
+        n_sub = par.tp * par.cp
+        src = np.empty((par.pp, par.dp, tokens_per_source), dtype=np.int64)
+        t_sub = np.arange(tokens_per_source) % n_sub
+        for s in range(par.pp):
+            for j in range(par.dp):
+                ranks = np.flatnonzero((par.rank2stage == s) & (par.rank2dp == j))
+                src[s, j] = ranks[t_sub]
+        self.src_rank = src
+        gpu2domain = instance.cluster.gpu2domain
+        # (pp, G, ep) GPU and domain of each EP rank of each group
+        self.group_gpu = self.rank2gpu[groups]
+        self.group_domain = gpu2domain[self.group_gpu]
+
+    @cached_property
+    def group_domain_counts(self) -> np.ndarray:
+        """(pp, G, num_domains) how many GPUs of each EP group sit in each domain."""
+        pp, ngroups, _ = self.groups.shape
+        nd = self.instance.cluster.num_domains
+        out = np.zeros((pp, ngroups, nd), dtype=np.int64)
+        for s in range(pp):
+            for g in range(ngroups):
+                out[s, g] = np.bincount(self.group_domain[s, g], minlength=nd)
+        return out
+
+
+def _window_topk(instance: Instance, window: Window) -> np.ndarray:
+    if window == "sampled":
+        return instance.routing.topk
+    if instance.routing.heldout_topk is None:
+        raise InvalidInputError("routing.heldout_topk: no held-out window in this instance view")
+    return instance.routing.heldout_topk
+
+
+def _sorted_first(domains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort each row and mark the first occurrence of every distinct value."""
+    d = np.sort(domains, axis=-1)
+    first = np.ones_like(d, dtype=bool)
+    first[..., 1:] = d[..., 1:] != d[..., :-1]
+    return d, first
+
+
+def remote_domains_per_token(token_domains: np.ndarray, src_domain: np.ndarray) -> np.ndarray:
+    """Distinct domains of each token's experts other than its source domain.
+
+    Parameters
+    ----------
+    token_domains : (..., top_k) int, domain hosting each of a token's experts.
+    src_domain : (...) int, the token's source domain.
+
+    Returns
+    -------
+    (...) int count of remote domains.
+
+    Examples
+    --------
+    >>> remote_domains_per_token(np.array([[0, 1, 1, 2], [0, 0, 0, 0]]), np.array([0, 1]))
+    array([2, 1])
+    """
+    d, first = _sorted_first(token_domains)
+    return (first & (d != src_domain[..., None])).sum(axis=-1)
+
+
+def evaluate(
+    instance: Instance,
+    placement: Placement,
+    *,
+    window: Window = "sampled",
+    cost_mode: CostMode | None = None,
+    layout: LayoutIndex | None = None,
+) -> Metrics:
+    """Score ``placement`` on one window of ``instance``'s tokens.
+
+    Parameters
+    ----------
+    instance : the problem; its ``cost_mode`` is used unless ``cost_mode`` is given.
+    placement : a placement that passed :func:`placement.checker.check` (not re-checked here).
+    window : ``"sampled"`` (the tokens solvers see) or ``"heldout"`` (scoring only).
+    cost_mode : override the instance's dispatcher cost mode.
+    layout : a precomputed :class:`LayoutIndex` for ``placement.rank2gpu`` (saves time in loops).
+
+    Returns
+    -------
+    Metrics per optimizer step.
+    """
+    mode: CostMode = cost_mode or instance.cost_mode
+    model, par, cl = instance.model, instance.parallel, instance.cluster
+    topk = _window_topk(instance, window).astype(np.int64)  # (L, dp, T, k)
+    num_layers, dp, tokens, k = topk.shape
+    if layout is None or layout.src_rank.shape[2] != tokens:
+        layout = LayoutIndex(instance, placement.rank2gpu, tokens)
+    weight = par.tokens_per_dp_rank_per_step / tokens  # real tokens per sampled token
+    nic_copy = model.nic_bytes_per_copy
+    fabric_copy = model.roundtrip_bytes_per_copy
+    gpu2domain = cl.gpu2domain
+    ngpu = cl.num_gpus
+    nd = cl.num_domains
+    layer_stage = instance.moe_layer2stage  # (L,)
+    e2r = placement.expert2eprank(instance.experts_per_rank)  # (L, E)
+
+    src_rank = layout.src_rank[layer_stage]  # (L, dp, T)
+    src_gpu = layout.rank2gpu[src_rank]
+    src_dom = gpu2domain[src_gpu]
+    src_group = layout.rank2group[src_rank]  # (L, dp, T)
+    eprank = np.take_along_axis(e2r[:, None, None, :], topk.reshape(num_layers, 1, 1, -1), axis=3)
+    eprank = eprank.reshape(topk.shape)  # (L, dp, T, k)
+    st = layer_stage[:, None, None, None]
+    tgt_gpu = layout.group_gpu[st, src_group[..., None], eprank]  # (L, dp, T, k)
+    tgt_dom = gpu2domain[tgt_gpu]
+    remote_pair = tgt_dom != src_dom[..., None]
+
+    layer_ix = np.broadcast_to(np.arange(num_layers)[:, None, None], src_gpu.shape)
+    # Per-layer, per-GPU counters of copies (NIC one direction) and NVLink receptions.
+    nic = np.zeros((num_layers, ngpu), dtype=np.float64)
+    nvl = np.zeros((num_layers, ngpu), dtype=np.float64)
+
+    def add(counter: np.ndarray, layers: np.ndarray, gpus: np.ndarray, w: np.ndarray | float) -> None:
+        flat = layers.reshape(-1) * ngpu + gpus.reshape(-1)
+        wts = None if np.isscalar(w) else np.asarray(w).reshape(-1)
+        counter += np.bincount(flat, weights=wts, minlength=num_layers * ngpu).reshape(
+            num_layers, ngpu
+        ) * (w if np.isscalar(w) else 1.0)
+
+    remote_pairs_per_token = remote_pair.sum(axis=-1)  # (L, dp, T)
+    d_sorted, d_first = _sorted_first(tgt_dom)
+    remote_dom_mask = d_first & (d_sorted != src_dom[..., None])  # (L, dp, T, k)
+    remote_doms_per_token = remote_dom_mask.sum(axis=-1)
+
+    if mode == "per_domain":
+        crossings_per_token = remote_doms_per_token
+        # Receivers: an even share over the group's GPUs in each remote domain.
+        counts = layout.group_domain_counts  # (pp, G, nd)
+        lay_b = np.broadcast_to(layer_ix[..., None], d_sorted.shape)
+        grp_b = np.broadcast_to(src_group[..., None], d_sorted.shape)
+        key = (lay_b[remote_dom_mask] * counts.shape[1] + grp_b[remote_dom_mask]) * nd + d_sorted[
+            remote_dom_mask
+        ]
+        into = np.bincount(key, minlength=num_layers * counts.shape[1] * nd).reshape(
+            num_layers, counts.shape[1], nd
+        )  # crossings into (layer, group, domain)
+        for li in range(num_layers):
+            s = layer_stage[li]
+            for g in range(counts.shape[1]):
+                gpus = layout.group_gpu[s, g]
+                doms = layout.group_domain[s, g]
+                share = into[li, g, doms] / counts[s, g, doms]
+                np.add.at(nic[li], gpus, share)
+        # NVLink: distinct target GPUs other than the source GPU.
+        g_sorted, g_first = _sorted_first(tgt_gpu)
+        nv_mask = g_first & (g_sorted != src_gpu[..., None])
+        add(nvl, np.broadcast_to(layer_ix[..., None], g_sorted.shape)[nv_mask], g_sorted[nv_mask], 1.0)
+    else:
+        crossings_per_token = remote_pairs_per_token
+        lay_b = np.broadcast_to(layer_ix[..., None], tgt_gpu.shape)
+        add(nic, lay_b[remote_pair], tgt_gpu[remote_pair], 1.0)
+        local_other = (~remote_pair) & (tgt_gpu != src_gpu[..., None])
+        add(nvl, lay_b[local_other], tgt_gpu[local_other], 1.0)
+    add(nic, layer_ix, src_gpu, crossings_per_token.astype(np.float64))
+
+    nic *= weight * nic_copy
+    nvl *= weight * nic_copy
+    cross_per_layer = crossings_per_token.sum(axis=(1, 2)) * weight * fabric_copy
+    intra_per_layer = nvl.sum(axis=1) * 2.0  # each NVLink copy counted like a fabric copy
+    cross_per_stage = np.bincount(layer_stage, weights=cross_per_layer, minlength=par.pp)
+
+    # Expert load: (token, expert) pairs per GPU, max over mean within each EP group.
+    load = np.zeros((num_layers, ngpu), dtype=np.float64)
+    add(load, np.broadcast_to(layer_ix[..., None], tgt_gpu.shape), tgt_gpu, 1.0)
+    lmm = np.empty(num_layers)
+    for li in range(num_layers):
+        grp_gpus = layout.group_gpu[layer_stage[li]]  # (G, ep)
+        gl = load[li][grp_gpus]
+        mean = gl.mean(axis=1)
+        lmm[li] = float(np.max(np.where(mean > 0, gl.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)))
+
+    max_nic_layer = nic.max(axis=1)
+    layer_time = np.maximum(max_nic_layer / (cl.scaleout_gbps * 1e9), nvl.max(axis=1) / (cl.nvlink_gbps * 1e9))
+    stage_time = np.bincount(layer_stage, weights=layer_time, minlength=par.pp)
+    ntok = dp * tokens * num_layers
+    return Metrics(
+        cost_mode=mode,
+        window=window,
+        cross_domain_bytes_per_step=float(cross_per_layer.sum()),
+        intra_domain_bytes_per_step=float(intra_per_layer.sum()),
+        max_gpu_cross_domain_bytes_per_step=float(nic.sum(axis=0).max()),
+        expert_load_max_over_mean=float(lmm.max()),
+        remote_domains_per_token=float(remote_doms_per_token.sum() / ntok),
+        remote_experts_per_token=float(remote_pairs_per_token.sum() / ntok),
+        alltoall_time_s_per_step=float(stage_time.max()),
+        cross_domain_bytes_per_layer=[float(x) for x in cross_per_layer],
+        cross_domain_bytes_per_stage=[float(x) for x in cross_per_stage],
+        max_gpu_cross_domain_bytes_per_layer=[float(x) for x in max_nic_layer],
+        expert_load_max_over_mean_per_layer=[float(x) for x in lmm],
+        alltoall_time_s_per_stage=[float(x) for x in stage_time],
+    )
+
+
+def report(instance: Instance, placement: Placement) -> dict:
+    """Metrics on the sampled and the held-out window, in the instance's cost mode, as one dict.
+
+    Keys of the sampled window are plain (``cross_domain_bytes_per_step``, ...); the held-out
+    window's carry the prefix ``heldout_``; per-layer and per-stage arrays are included.
+    """
+    layout = LayoutIndex(instance, placement.rank2gpu, instance.routing.tokens_per_source)
+    out: dict = {}
+    sampled = evaluate(instance, placement, window="sampled", layout=layout).to_dict()
+    out.update(sampled)
+    if instance.routing.heldout_topk is not None:
+        held = evaluate(instance, placement, window="heldout", layout=layout).to_dict()
+        for key, value in held.items():
+            if key not in ("cost_mode", "window"):
+                out[f"heldout_{key}"] = value
+    out.pop("window", None)
+    return out

@@ -1,0 +1,588 @@
+"""File formats: the instance (JSON + a referenced ``.npz``) and the placement file (JSON).
+
+Readers validate everything before building the model objects and raise
+:class:`~placement.model.InvalidInputError` with one line naming the file, the field path, what was
+expected and what was found.  Writers are atomic: a temporary file in the target folder, then
+``os.replace``, so a reader never sees a partial file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from placement.model import (
+    COST_MODES,
+    Cluster,
+    Instance,
+    InvalidInputError,
+    MoEModel,
+    ParallelLayout,
+    Placement,
+    Routing,
+)
+from placement.schema import Any_, Bool, Int, List, Num, Obj, Str, to_json_schema, validate
+
+__all__ = [
+    "INSTANCE_SCHEMA_VERSION",
+    "PLACEMENT_SCHEMA_VERSION",
+    "INSTANCE_SPEC",
+    "PLACEMENT_SPEC",
+    "read_instance",
+    "write_instance",
+    "read_placement",
+    "write_placement",
+    "placement_document",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "json_schemas",
+    "dumps",
+]
+
+INSTANCE_SCHEMA_VERSION = 1
+PLACEMENT_SCHEMA_VERSION = 1
+MAX_INT = 2**40  # a bound on every size, so that absurd values fail early with a clear message
+
+INSTANCE_SPEC = Obj(
+    "A placement problem: MoE model, parallel layout, cluster, routing statistics, cost mode.",
+    {
+        "schema_version": Int("Instance format version; must be 1.", 1, 1),
+        "name": Str("Short name of the instance."),
+        "description": Str("What the instance models."),
+        "cost_mode": Str(
+            "How the dispatcher moves bytes: per_domain (DeepEP normal, HybridEP: once per remote "
+            "NVLink domain per token) or per_pair (Megatron alltoall, DeepEP low-latency: once per "
+            "remote expert per token).",
+            COST_MODES,
+        ),
+        "model": Obj(
+            "The MoE transformer.",
+            {
+                "name": Str("Model name."),
+                "num_layers": Int("Transformer layers.", 1, 100_000),
+                "moe_layers": List("0-based indices of the MoE layers, ascending.", Int("Layer index.", 0), 1),
+                "num_experts": Int("Routed experts per MoE layer.", 1, 1_000_000),
+                "top_k": Int("Routed experts per token.", 1, 1024),
+                "num_groups": Int("Expert groups of contiguous ids (n_group); 1 = none.", 1, 1_000_000),
+                "groups_per_token": Int("Groups a token may use (topk_group).", 1, 1_000_000),
+                "hidden_size": Int("Hidden size.", 1, 10_000_000, "elements"),
+                "dispatch_bytes_per_token": Int("Bytes of one dispatch copy of a token.", 1, MAX_INT, "bytes"),
+                "combine_bytes_per_token": Int("Bytes of one combine copy of a token.", 1, MAX_INT, "bytes"),
+            },
+        ),
+        "parallel": Obj(
+            "Megatron-Core parallel layout (expert tensor parallel 1).",
+            {
+                "tp": Int("Tensor-parallel size.", 1, 1_000_000),
+                "cp": Int("Context-parallel size.", 1, 1_000_000),
+                "ep": Int("Expert-parallel size (divides tp*cp*dp).", 1, 1_000_000),
+                "dp": Int("Data-parallel size of the dense part.", 1, 1_000_000),
+                "pp": Int("Pipeline-parallel size.", 1, 1_000_000),
+                "order": Str("Megatron order string, first name fastest, e.g. tp-cp-ep-dp-pp."),
+                "stage_layers": List(
+                    "Per pipeline stage, the 0-based layer indices it holds; every layer exactly once.",
+                    List("Layer indices of one stage.", Int("Layer index.", 0)),
+                    1,
+                ),
+                "expert_slots_per_rank": Int(
+                    "Expert slots each EP rank holds; slots * ep must equal num_experts.", 1, 1_000_000
+                ),
+                "seq_len": Int("Tokens per sequence.", 1, MAX_INT, "tokens"),
+                "micro_batch": Int("Sequences per micro-batch.", 1, MAX_INT, "sequences"),
+                "global_batch": Int("Sequences per optimizer step.", 1, MAX_INT, "sequences"),
+            },
+            optional=frozenset({"expert_slots_per_rank"}),
+        ),
+        "cluster": Obj(
+            "NVLink domains (racks) of trays (hosts) of GPUs.",
+            {
+                "num_domains": Int("NVLink domains (NVL72 racks).", 1, 1_000_000),
+                "trays_per_domain": Int("Compute trays (hosts) per domain.", 1, 1_000_000),
+                "gpus_per_tray": Int("GPUs per tray.", 1, 1024),
+                "nvlink_gbps": Num("NVLink bandwidth per GPU.", exclusive_minimum=0, unit="10^9 bytes/s"),
+                "scaleout_gbps": Num(
+                    "Scale-out NIC bandwidth per GPU, each direction.", exclusive_minimum=0, unit="10^9 bytes/s"
+                ),
+                "host_format": Str("Host name pattern with {domain}, {tray}, {host} fields."),
+                "unavailable_gpus": List(
+                    "GPU ids that are busy or down: (domain*trays_per_domain+tray)*gpus_per_tray+local.",
+                    Int("GPU id.", 0),
+                ),
+                "unavailable_trays": List(
+                    "Trays that are busy or down, as [domain, tray] pairs.",
+                    List("[domain, tray]", Int("Index.", 0), 2),
+                ),
+            },
+            optional=frozenset({"host_format", "unavailable_gpus", "unavailable_trays"}),
+        ),
+        "routing": Obj(
+            "Routing statistics: a .npz beside the instance with int arrays topk and heldout_topk, "
+            "each (num_moe_layers, dp, tokens_per_source, top_k) expert ids.",
+            {
+                "file": Str("Path of the .npz, relative to the instance's folder."),
+                "generator": Any_("Provenance: the generator and its parameters."),
+            },
+            optional=frozenset({"generator"}),
+        ),
+    },
+    optional=frozenset({"description"}),
+)
+
+PLACEMENT_SPEC = Obj(
+    "Where every rank and every expert runs, with the metrics the evaluator gave it.",
+    {
+        "schema_version": Int("Placement format version; must be 1.", 1, 1),
+        "kind": Str("Always 'placement'.", ("placement",)),
+        "instance": Obj(
+            "The instance this placement is for.",
+            {"name": Str("Instance name."), "sha256": Str("SHA-256 of the instance's JSON and .npz.")},
+        ),
+        "solver": Str("Solver that produced it."),
+        "params": Any_("Solver parameters."),
+        "seed": Int("Random seed.", 0),
+        "group_preserving": Bool("True when every layer's permutation keeps expert groups whole."),
+        "consumer": Str("Consumer rule the layout obeys (none, deepep, hybridep)."),
+        "rank2gpu": List("Physical GPU id of each global rank.", Int("GPU id.", 0)),
+        "phy2log": List(
+            "Per MoE layer, the logical expert of each physical slot; slot p on EP rank p // slots_per_rank.",
+            List("One layer's map.", Int("Expert id.", 0)),
+        ),
+        "metrics": Any_("The evaluator's report (sampled and heldout_ keys)."),
+        "solve": Any_("Solver report: status, objective, bound, gap, per-layer details."),
+    },
+    optional=frozenset({"params", "metrics", "solve", "consumer", "group_preserving"}),
+)
+
+
+def json_schemas() -> dict[str, dict]:
+    """The published JSON Schemas, by file name."""
+    return {
+        "instance.schema.json": to_json_schema(INSTANCE_SPEC, "placement instance"),
+        "placement.schema.json": to_json_schema(PLACEMENT_SPEC, "placement result"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------------------------
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def dumps(doc: Any) -> str:
+    """Canonical JSON text: sorted keys, compact arrays on one line per layer, trailing newline."""
+    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Instance
+# ---------------------------------------------------------------------------------------------
+def _load_json(path: Path, what: str) -> Any:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise InvalidInputError(f"{path}: {what} file not found") from None
+    except IsADirectoryError:
+        raise InvalidInputError(f"{path}: expected a {what} file, found a directory") from None
+    except OSError as exc:
+        raise InvalidInputError(f"{path}: cannot read {what} file: {exc.strerror}") from None
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant), raw
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except ValueError as exc:
+        raise InvalidInputError(f"{path}: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not valid JSON")
+
+
+def _fail(where: Path, path: str, msg: str) -> InvalidInputError:
+    return InvalidInputError(f"{where}: {path}: {msg}")
+
+
+def _check_instance_semantics(doc: dict, where: Path) -> None:
+    m, p, c = doc["model"], doc["parallel"], doc["cluster"]
+    L = m["num_layers"]
+    moe = m["moe_layers"]
+    if any(b <= a for a, b in zip(moe, moe[1:])):
+        raise _fail(where, "model.moe_layers", "expected strictly ascending layer indices")
+    if moe[-1] >= L:
+        raise _fail(where, "model.moe_layers", f"layer {moe[-1]} is out of range for num_layers={L}")
+    E, G = m["num_experts"], m["num_groups"]
+    if E % G:
+        raise _fail(where, "model.num_groups", f"{G} groups do not divide num_experts={E}")
+    if m["groups_per_token"] > G:
+        raise _fail(where, "model.groups_per_token", f"{m['groups_per_token']} exceeds num_groups={G}")
+    if m["top_k"] > E:
+        raise _fail(where, "model.top_k", f"top_k={m['top_k']} exceeds num_experts={E}")
+    if G > 1 and m["top_k"] > m["groups_per_token"] * (E // G):
+        raise _fail(where, "model.top_k", "top_k exceeds the experts of groups_per_token groups")
+    names = p["order"].split("-")
+    if sorted(names) != sorted(["tp", "cp", "ep", "dp", "pp"]):
+        raise _fail(where, "parallel.order", f"expected a permutation of tp-cp-ep-dp-pp, found {p['order']!r}")
+    per_stage = p["tp"] * p["cp"] * p["dp"]
+    if per_stage % p["ep"]:
+        raise _fail(where, "parallel.ep", f"ep={p['ep']} does not divide tp*cp*dp={per_stage}")
+    slots = p.get("expert_slots_per_rank", -(-E // p["ep"]))
+    if slots * p["ep"] < E:
+        raise _fail(
+            where,
+            "parallel.expert_slots_per_rank" if "expert_slots_per_rank" in p else "parallel.ep",
+            f"more experts than slots: {E} experts > {p['ep']} EP ranks x {slots} slots",
+        )
+    if slots * p["ep"] != E:
+        raise _fail(
+            where,
+            "parallel.expert_slots_per_rank" if "expert_slots_per_rank" in p else "parallel.ep",
+            f"{p['ep']} EP ranks x {slots} slots != {E} experts (redundant slots are not supported)",
+        )
+    if len(p["stage_layers"]) != p["pp"]:
+        raise _fail(where, "parallel.stage_layers", f"expected {p['pp']} stages (pp), found {len(p['stage_layers'])}")
+    seen = sorted(x for st in p["stage_layers"] for x in st)
+    if seen != list(range(L)):
+        raise _fail(where, "parallel.stage_layers", f"expected every layer 0..{L - 1} exactly once")
+    if p["global_batch"] % (p["dp"] * p["micro_batch"]):
+        raise _fail(where, "parallel.global_batch", "must be a multiple of dp * micro_batch")
+    n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
+    bad = [g for g in c.get("unavailable_gpus", []) if g >= n_gpus]
+    if bad:
+        raise _fail(where, "cluster.unavailable_gpus", f"GPU id {bad[0]} is out of range (cluster has {n_gpus})")
+    if len(set(c.get("unavailable_gpus", []))) != len(c.get("unavailable_gpus", [])):
+        raise _fail(where, "cluster.unavailable_gpus", "duplicate GPU ids")
+    trays = [tuple(t) for t in c.get("unavailable_trays", [])]
+    for i, t in enumerate(trays):
+        if len(t) != 2 or t[0] >= c["num_domains"] or t[1] >= c["trays_per_domain"]:
+            raise _fail(where, f"cluster.unavailable_trays[{i}]", f"expected [domain, tray] in range, found {list(t)}")
+    if len(set(trays)) != len(trays):
+        raise _fail(where, "cluster.unavailable_trays", "duplicate trays")
+    fmt = c.get("host_format", "rack{domain:02d}-tray{tray:02d}")
+    try:
+        fmt.format(domain=0, tray=0, host=0)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise _fail(where, "cluster.host_format", f"bad pattern: {exc}") from None
+
+
+def _resolve_npz(where: Path, rel: str) -> Path:
+    if os.path.isabs(rel):
+        raise _fail(where, "routing.file", "expected a path relative to the instance's folder")
+    base = where.resolve().parent
+    target = (base / rel).resolve()
+    if base != target and base not in target.parents:
+        raise _fail(where, "routing.file", f"path {rel!r} escapes the instance's folder")
+    return target
+
+
+def _load_npz(where: Path, npz_path: Path) -> tuple[dict[str, np.ndarray], bytes]:
+    try:
+        raw = npz_path.read_bytes()
+    except OSError:
+        raise _fail(where, "routing.file", f"cannot read {npz_path.name}") from None
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except ValueError as exc:
+        if "pickle" in str(exc).lower():
+            raise _fail(where, "routing.file", "the .npz holds pickled objects, which are refused") from None
+        raise _fail(where, "routing.file", f"not a readable .npz: {exc}") from None
+    except (OSError, zipfile.BadZipFile, EOFError, KeyError) as exc:
+        raise _fail(where, "routing.file", f"not a readable .npz (truncated or corrupt): {exc}") from None
+    return arrays, raw
+
+
+def _check_topk(where: Path, field: str, a: np.ndarray, doc: dict) -> np.ndarray:
+    m, p = doc["model"], doc["parallel"]
+    want = (len(m["moe_layers"]), p["dp"], None, m["top_k"])
+    if a.dtype.kind not in "iu":
+        raise _fail(where, f"routing.{field}", f"expected an integer array, found dtype {a.dtype}")
+    if a.ndim != 4 or a.shape[0] != want[0] or a.shape[1] != want[1] or a.shape[3] != want[3] or a.shape[2] < 1:
+        raise _fail(
+            where,
+            f"routing.{field}",
+            f"expected shape (num_moe_layers={want[0]}, dp={want[1]}, tokens>=1, top_k={want[3]}), found {a.shape}",
+        )
+    E = m["num_experts"]
+    if a.size and (a.min() < 0 or a.max() >= E):
+        raise _fail(where, f"routing.{field}", f"expert ids must lie in [0, {E}), found {int(a.min())}..{int(a.max())}")
+    s = np.sort(a, axis=-1)
+    if np.any(s[..., 1:] == s[..., :-1]):
+        raise _fail(where, f"routing.{field}", "a token lists the same expert twice")
+    G = m["num_groups"]
+    if G > 1 and m["groups_per_token"] < G:
+        grp = s // (E // G)
+        ngroups = 1 + (grp[..., 1:] != grp[..., :-1]).sum(axis=-1)
+        if ngroups.max() > m["groups_per_token"]:
+            raise _fail(
+                where,
+                f"routing.{field}",
+                f"a token uses {int(ngroups.max())} expert groups, more than groups_per_token={m['groups_per_token']}",
+            )
+    return a.astype(np.uint16 if E <= 65535 else np.int64)
+
+
+def read_instance(path: str | os.PathLike) -> Instance:
+    """Read and validate an instance file and its routing ``.npz``.
+
+    Raises
+    ------
+    InvalidInputError
+        With one line naming the file, the field path, what was expected and found.
+    """
+    where = Path(path)
+    doc, raw = _load_json(where, "instance")
+    validate(doc, INSTANCE_SPEC, str(where))
+    _check_instance_semantics(doc, where)
+    npz_path = _resolve_npz(where, doc["routing"]["file"])
+    arrays, npz_raw = _load_npz(where, npz_path)
+    for key in arrays:
+        if key not in ("topk", "heldout_topk"):
+            raise _fail(where, "routing.file", f"unexpected array {key!r} in {npz_path.name} (expected topk, heldout_topk)")
+    for key in ("topk", "heldout_topk"):
+        if key not in arrays:
+            raise _fail(where, f"routing.{key}", f"missing array in {npz_path.name}")
+    topk = _check_topk(where, "topk", arrays["topk"], doc)
+    held = _check_topk(where, "heldout_topk", arrays["heldout_topk"], doc)
+
+    m, p, c = doc["model"], doc["parallel"], doc["cluster"]
+    model = MoEModel(
+        name=m["name"],
+        num_layers=m["num_layers"],
+        moe_layers=tuple(m["moe_layers"]),
+        num_experts=m["num_experts"],
+        top_k=m["top_k"],
+        num_groups=m["num_groups"],
+        groups_per_token=m["groups_per_token"],
+        hidden_size=m["hidden_size"],
+        dispatch_bytes_per_token=m["dispatch_bytes_per_token"],
+        combine_bytes_per_token=m["combine_bytes_per_token"],
+    )
+    parallel = ParallelLayout(
+        tp=p["tp"],
+        cp=p["cp"],
+        ep=p["ep"],
+        dp=p["dp"],
+        pp=p["pp"],
+        order=p["order"],
+        stage_layers=tuple(tuple(s) for s in p["stage_layers"]),
+        seq_len=p["seq_len"],
+        micro_batch=p["micro_batch"],
+        global_batch=p["global_batch"],
+    )
+    n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
+    available = np.ones(n_gpus, dtype=bool)
+    available[c.get("unavailable_gpus", [])] = False
+    for d, t in c.get("unavailable_trays", []):
+        h = d * c["trays_per_domain"] + t
+        available[h * c["gpus_per_tray"] : (h + 1) * c["gpus_per_tray"]] = False
+    cluster = Cluster(
+        num_domains=c["num_domains"],
+        trays_per_domain=c["trays_per_domain"],
+        gpus_per_tray=c["gpus_per_tray"],
+        available=available,
+        nvlink_gbps=float(c["nvlink_gbps"]),
+        scaleout_gbps=float(c["scaleout_gbps"]),
+        host_format=c.get("host_format", "rack{domain:02d}-tray{tray:02d}"),
+    )
+    digest = hashlib.sha256(raw + b"\0" + npz_raw).hexdigest()
+    return Instance(
+        name=doc["name"],
+        model=model,
+        parallel=parallel,
+        cluster=cluster,
+        routing=Routing(topk, held),
+        cost_mode=doc["cost_mode"],
+        description=doc.get("description", ""),
+        sha256=digest,
+        extra={"generator": doc["routing"].get("generator", {}), "path": str(where)},
+    )
+
+
+def instance_document(instance: Instance, npz_name: str) -> dict:
+    """The JSON document of an instance (without its arrays)."""
+    m, p, c = instance.model, instance.parallel, instance.cluster
+    unavailable = [int(g) for g in np.flatnonzero(~c.available)]
+    # Express whole unavailable trays as trays, the rest as GPUs.
+    trays, gpus = [], []
+    gpt = c.gpus_per_tray
+    for h in sorted({g // gpt for g in unavailable}):
+        members = [h * gpt + i for i in range(gpt)]
+        if all(not c.available[g] for g in members):
+            trays.append([h // c.trays_per_domain, h % c.trays_per_domain])
+        else:
+            gpus.extend(g for g in members if not c.available[g])
+    return {
+        "schema_version": INSTANCE_SCHEMA_VERSION,
+        "name": instance.name,
+        "description": instance.description,
+        "cost_mode": instance.cost_mode,
+        "model": {
+            "name": m.name,
+            "num_layers": m.num_layers,
+            "moe_layers": list(m.moe_layers),
+            "num_experts": m.num_experts,
+            "top_k": m.top_k,
+            "num_groups": m.num_groups,
+            "groups_per_token": m.groups_per_token,
+            "hidden_size": m.hidden_size,
+            "dispatch_bytes_per_token": m.dispatch_bytes_per_token,
+            "combine_bytes_per_token": m.combine_bytes_per_token,
+        },
+        "parallel": {
+            "tp": p.tp,
+            "cp": p.cp,
+            "ep": p.ep,
+            "dp": p.dp,
+            "pp": p.pp,
+            "order": p.order,
+            "stage_layers": [list(s) for s in p.stage_layers],
+            "expert_slots_per_rank": m.num_experts // p.ep,
+            "seq_len": p.seq_len,
+            "micro_batch": p.micro_batch,
+            "global_batch": p.global_batch,
+        },
+        "cluster": {
+            "num_domains": c.num_domains,
+            "trays_per_domain": c.trays_per_domain,
+            "gpus_per_tray": c.gpus_per_tray,
+            "nvlink_gbps": c.nvlink_gbps,
+            "scaleout_gbps": c.scaleout_gbps,
+            "host_format": c.host_format,
+            "unavailable_gpus": gpus,
+            "unavailable_trays": trays,
+        },
+        "routing": {"file": npz_name, "generator": instance.extra.get("generator", {})},
+    }
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """A byte-for-byte reproducible compressed .npz (fixed zip timestamps)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name in sorted(arrays):
+            arr = np.ascontiguousarray(arrays[name])
+            member = io.BytesIO()
+            np.lib.format.write_array(member, arr, allow_pickle=False)
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(info, member.getvalue(), compresslevel=9)
+    return buf.getvalue()
+
+
+def write_instance(instance: Instance, path: str | os.PathLike) -> None:
+    """Write ``instance`` as ``path`` (JSON) and ``path`` with suffix ``.npz``, atomically each."""
+    path = Path(path)
+    npz_name = path.with_suffix(".npz").name
+    if instance.routing.heldout_topk is None:
+        raise InvalidInputError("routing.heldout_topk: cannot write an instance without its held-out window")
+    dtype = np.uint8 if instance.model.num_experts <= 256 else np.uint16
+    atomic_write_bytes(
+        path.with_suffix(".npz"),
+        _npz_bytes({"topk": instance.routing.topk.astype(dtype), "heldout_topk": instance.routing.heldout_topk.astype(dtype)}),
+    )
+    atomic_write_text(path, dumps(instance_document(instance, npz_name)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement
+# ---------------------------------------------------------------------------------------------
+def placement_document(
+    instance: Instance,
+    placement: Placement,
+    *,
+    solver: str,
+    params: dict | None = None,
+    seed: int = 0,
+    consumer: str = "none",
+    group_preserving: bool = False,
+    metrics: dict | None = None,
+    solve: dict | None = None,
+) -> dict:
+    """The JSON document of a placement (deterministic: no wall-clock values)."""
+    doc = {
+        "schema_version": PLACEMENT_SCHEMA_VERSION,
+        "kind": "placement",
+        "instance": {"name": instance.name, "sha256": instance.sha256},
+        "solver": solver,
+        "params": params or {},
+        "seed": seed,
+        "consumer": consumer,
+        "group_preserving": group_preserving,
+        "rank2gpu": [int(x) for x in placement.rank2gpu],
+        "phy2log": [[int(x) for x in row] for row in placement.phy2log],
+        "metrics": metrics or {},
+        "solve": solve or {},
+    }
+    return doc
+
+
+def write_placement(path: str | os.PathLike, doc: dict) -> None:
+    """Write a placement document atomically, with compact per-layer rows."""
+    atomic_write_text(path, _placement_text(doc))
+
+
+def _placement_text(doc: dict) -> str:
+    # Compact: one line for rank2gpu and one per layer, readable diffs, a small file.
+    body = dict(doc)
+    rank2gpu = body.pop("rank2gpu")
+    phy2log = body.pop("phy2log")
+    text = json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
+    assert text.endswith("}")
+    lines = [text[:-1].rstrip() + ","]
+    lines.append(' "rank2gpu": ' + json.dumps(rank2gpu, separators=(",", ":")) + ",")
+    lines.append(' "phy2log": [')
+    for i, row in enumerate(phy2log):
+        sep = "," if i + 1 < len(phy2log) else ""
+        lines.append("  " + json.dumps(row, separators=(",", ":")) + sep)
+    lines.append(" ]")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def read_placement(path: str | os.PathLike) -> tuple[Placement, dict]:
+    """Read a placement file: the structural check only (use :func:`placement.checker.check`).
+
+    Returns the :class:`Placement` and the whole document.
+    """
+    where = Path(path)
+    doc, _ = _load_json(where, "placement")
+    validate(doc, PLACEMENT_SPEC, str(where))
+    rows = doc["phy2log"]
+    if rows and len({len(r) for r in rows}) != 1:
+        raise _fail(where, "phy2log", "expected every layer's map to have the same length")
+    return Placement(np.array(doc["rank2gpu"], dtype=np.int64), np.array(rows, dtype=np.int64).reshape(len(rows), -1)), doc
+
+
+if __name__ == "__main__":  # python -m placement.formats: regenerate the published JSON Schemas
+    out_dir = Path(__file__).resolve().parent / "schemas"
+    for name, schema in json_schemas().items():
+        atomic_write_text(out_dir / name, json.dumps(schema, indent=2) + "\n")
+        print(f"wrote {out_dir / name}")

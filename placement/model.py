@@ -1,0 +1,385 @@
+"""The pure data model: a MoE model, its parallel layout, a cluster, routing statistics, a placement.
+
+Nothing here imports a solver or touches a file. Every object is a frozen dataclass; arrays are
+numpy arrays that the constructors make read-only, so a solver cannot change an instance by accident.
+
+Naming: maps say their direction (``rank2gpu``, ``gpu2domain``, ``phy2log``), sizes their unit
+(``*_bytes``, ``*_gbps`` = 10^9 bytes/s, ``*_s``).
+
+Index conventions
+-----------------
+- GPU id: ``(domain * trays_per_domain + tray) * gpus_per_tray + local``, over every GPU of the
+  cluster, available or not.
+- Global rank: Megatron-Core's ``RankGenerator`` for the order string (first name fastest).  The
+  expert layout uses the expert order (``cp`` removed, ``tp`` read as expert-tensor-parallel 1), so
+  with ``etp = 1`` every EP group is ``ep`` consecutive ranks inside one pipeline stage.
+- Physical expert slot ``p`` of a layer lives on EP rank ``p // (num_experts // ep)``
+  (contiguous blocks, as Megatron, TorchTitan and SGLang lay them out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "CostMode",
+    "COST_MODES",
+    "MoEModel",
+    "ParallelLayout",
+    "Cluster",
+    "Routing",
+    "Instance",
+    "Placement",
+    "PlacementError",
+    "InvalidInputError",
+    "InfeasibleError",
+    "SolverError",
+    "dispatch_bytes_fp8",
+    "combine_bytes_bf16",
+]
+
+CostMode = Literal["per_domain", "per_pair"]
+COST_MODES: tuple[CostMode, ...] = ("per_domain", "per_pair")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exceptions: one small hierarchy by meaning; the CLI maps each to an exit code.
+# ---------------------------------------------------------------------------------------------
+class PlacementError(Exception):
+    """Base of every error this package raises on purpose (CLI exit code 1)."""
+
+    exit_code = 1
+
+
+class InvalidInputError(PlacementError, ValueError):
+    """An input file or argument is malformed; the message names the file and field (exit 2)."""
+
+    exit_code = 2
+
+
+class InfeasibleError(PlacementError):
+    """The request cannot be met: too few GPUs or slots, a consumer rule that cannot hold (exit 3)."""
+
+    exit_code = 3
+
+
+class SolverError(PlacementError):
+    """A solver failed for a reason other than infeasibility (exit 1)."""
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+def dispatch_bytes_fp8(hidden_size: int) -> int:
+    """Bytes of one FP8 dispatch copy: the hidden vector plus one fp32 scale per 128 values."""
+    return hidden_size + (hidden_size // 128) * 4
+
+
+def combine_bytes_bf16(hidden_size: int) -> int:
+    """Bytes of one BF16 combine copy."""
+    return 2 * hidden_size
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoEModel:
+    """The transformer's MoE shape.
+
+    ``moe_layers`` are the indices (0-based, among ``num_layers``) of the MoE layers; every array
+    over "MoE layers" in this package is indexed by position in that tuple, not by layer index.
+    """
+
+    name: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    num_groups: int  # expert groups of contiguous ids (n_group); 1 = no group-limited routing
+    groups_per_token: int  # topk_group; equals num_groups when routing is not group-limited
+    hidden_size: int
+    dispatch_bytes_per_token: int  # one dispatch copy (FP8 + scales for DeepSeek-V3: 7,392 B)
+    combine_bytes_per_token: int  # one combine copy (BF16: 14,336 B)
+
+    @property
+    def group_limited(self) -> bool:
+        return self.num_groups > 1 and self.groups_per_token < self.num_groups
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.num_groups
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def roundtrip_bytes_per_copy(self) -> int:
+        """Fabric bytes of one token copy over a step: dispatch + combine, forward and backward."""
+        return 2 * (self.dispatch_bytes_per_token + self.combine_bytes_per_token)
+
+    @property
+    def nic_bytes_per_copy(self) -> int:
+        """Bytes one copy puts on each end's NIC in one direction over a step.
+
+        Forward dispatch leaves the source and the combine comes back; backward sends the combine
+        gradient out and the dispatch gradient back.  So each direction of each NIC carries
+        ``dispatch + combine`` bytes per copy.
+        """
+        return self.dispatch_bytes_per_token + self.combine_bytes_per_token
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Megatron-Core style parallel layout.
+
+    ``dp`` is the data-parallel size of the dense part, so the world is ``tp * cp * dp * pp``.
+    Expert parallelism splits the ``tp * cp * dp`` ranks of a stage into EP groups of ``ep``
+    consecutive ranks (expert tensor parallel 1); ``stage_layers[s]`` lists the layer indices that
+    pipeline stage ``s`` holds.
+    """
+
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    order: str
+    stage_layers: tuple[tuple[int, ...], ...]
+    seq_len: int  # tokens per sequence
+    micro_batch: int  # sequences per micro-batch
+    global_batch: int  # sequences per optimizer step
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def ranks_per_stage(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def ep_groups_per_stage(self) -> int:
+        return self.ranks_per_stage // self.ep
+
+    @property
+    def tokens_per_dp_rank_per_step(self) -> int:
+        """Tokens one data-parallel replica pushes through every layer in one optimizer step."""
+        return self.global_batch * self.seq_len // self.dp
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @cached_property
+    def rank_coords(self) -> dict[str, np.ndarray]:
+        """Coordinates of every global rank: ``{"tp","cp","dp","pp": (world,) int}``.
+
+        Follows Megatron-Core's ``RankGenerator``: the order string's first name varies fastest.
+        ``ep`` is dropped from the dense order (it is a split of ``tp*cp*dp`` inside a stage).
+        """
+        names = [n for n in self.order.split("-") if n != "ep"]
+        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+        ranks = np.arange(self.world_size)
+        coords: dict[str, np.ndarray] = {}
+        stride = 1
+        for n in names:
+            coords[n] = (ranks // stride) % sizes[n]
+            stride *= sizes[n]
+        return coords
+
+    @cached_property
+    def rank2stage(self) -> np.ndarray:
+        """(world,) pipeline stage of each rank."""
+        return _frozen(self.rank_coords["pp"])
+
+    @cached_property
+    def rank2dp(self) -> np.ndarray:
+        """(world,) data-parallel index of each rank: whose routing statistics it carries."""
+        return _frozen(self.rank_coords["dp"])
+
+    @cached_property
+    def stage_ep_groups(self) -> np.ndarray:
+        """(pp, ep_groups_per_stage, ep) global ranks of every EP group, in EP-rank order.
+
+        With expert tensor parallel 1 an EP group is ``ep`` consecutive ranks among the stage's
+        ranks, taken in global-rank order (Megatron's expert ``RankGenerator``).
+        """
+        out = np.empty((self.pp, self.ep_groups_per_stage, self.ep), dtype=np.int64)
+        for s in range(self.pp):
+            ranks = np.flatnonzero(self.rank2stage == s)
+            out[s] = ranks.reshape(self.ep_groups_per_stage, self.ep)
+        return _frozen(out)
+
+    @cached_property
+    def layer2stage(self) -> dict[int, int]:
+        return {layer: s for s, layers in enumerate(self.stage_layers) for layer in layers}
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cluster:
+    """NVLink domains (racks) of trays (hosts) of GPUs; some GPUs unavailable.
+
+    ``available``: (num_gpus,) bool.  Host ``h = domain * trays_per_domain + tray`` has GPUs
+    ``h * gpus_per_tray ... + gpus_per_tray - 1``; its name is ``host_format`` formatted with
+    ``domain``, ``tray`` and ``host``.
+    """
+
+    num_domains: int
+    trays_per_domain: int
+    gpus_per_tray: int
+    available: np.ndarray
+    nvlink_gbps: float  # per GPU, 10^9 bytes/s
+    scaleout_gbps: float  # per GPU NIC, 10^9 bytes/s, each direction
+    host_format: str = "rack{domain:02d}-tray{tray:02d}"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "available", _frozen(np.asarray(self.available, dtype=bool)))
+
+    @property
+    def gpus_per_domain(self) -> int:
+        return self.trays_per_domain * self.gpus_per_tray
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_domains * self.gpus_per_domain
+
+    @cached_property
+    def gpu2domain(self) -> np.ndarray:
+        """(num_gpus,) NVLink domain of each GPU."""
+        return _frozen(np.arange(self.num_gpus) // self.gpus_per_domain)
+
+    @cached_property
+    def gpu2tray(self) -> np.ndarray:
+        """(num_gpus,) tray index inside its domain."""
+        return _frozen((np.arange(self.num_gpus) // self.gpus_per_tray) % self.trays_per_domain)
+
+    @cached_property
+    def gpu2host(self) -> np.ndarray:
+        """(num_gpus,) global host (tray) index."""
+        return _frozen(np.arange(self.num_gpus) // self.gpus_per_tray)
+
+    @cached_property
+    def available_gpus(self) -> np.ndarray:
+        """Sorted ids of the available GPUs: by (domain, tray, GPU)."""
+        return _frozen(np.flatnonzero(self.available))
+
+    def host_name(self, host: int) -> str:
+        domain, tray = divmod(int(host), self.trays_per_domain)
+        return self.host_format.format(domain=domain, tray=tray, host=int(host))
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Routing:
+    """Sampled routing statistics.
+
+    ``topk``: (num_moe_layers, dp, tokens_per_source, top_k) expert ids of the sampled tokens of
+    each data-parallel rank (the fit window).  ``heldout_topk``: the same shape over a later window,
+    for scoring only (no solver reads it); ``None`` in the view handed to solvers.
+    """
+
+    topk: np.ndarray
+    heldout_topk: np.ndarray | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "topk", _frozen(self.topk))
+        if self.heldout_topk is not None:
+            object.__setattr__(self, "heldout_topk", _frozen(self.heldout_topk))
+
+    @property
+    def tokens_per_source(self) -> int:
+        return int(self.topk.shape[2])
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Instance:
+    """One placement problem: a model, a layout, a cluster, routing statistics, a cost mode."""
+
+    name: str
+    model: MoEModel
+    parallel: ParallelLayout
+    cluster: Cluster
+    routing: Routing
+    cost_mode: CostMode
+    description: str = ""
+    sha256: str = ""  # of the instance's files, set by the reader; identifies it in placements
+    extra: dict = field(default_factory=dict, compare=False)  # provenance (generator parameters)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.model.num_experts // self.parallel.ep
+
+    @cached_property
+    def moe_layer2stage(self) -> np.ndarray:
+        """(num_moe_layers,) pipeline stage of each MoE layer."""
+        l2s = self.parallel.layer2stage
+        return _frozen(np.array([l2s[layer] for layer in self.model.moe_layers], dtype=np.int64))
+
+    def for_solver(self) -> Instance:
+        """The view a solver gets: identical, but without the held-out window."""
+        return Instance(
+            name=self.name,
+            model=self.model,
+            parallel=self.parallel,
+            cluster=self.cluster,
+            routing=Routing(self.routing.topk, None),
+            cost_mode=self.cost_mode,
+            description=self.description,
+            sha256=self.sha256,
+            extra=self.extra,
+        )
+
+    def with_cost_mode(self, cost_mode: CostMode) -> Instance:
+        return Instance(
+            name=self.name,
+            model=self.model,
+            parallel=self.parallel,
+            cluster=self.cluster,
+            routing=self.routing,
+            cost_mode=cost_mode,
+            description=self.description,
+            sha256=self.sha256,
+            extra=self.extra,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """Where everything runs.
+
+    ``rank2gpu``: (world,) physical GPU id of each global rank.
+    ``phy2log``: (num_moe_layers, num_experts) logical expert id held by each physical slot of each
+    MoE layer; slot ``p`` sits on EP rank ``p // experts_per_rank`` of every EP group of the
+    layer's stage (all EP groups of a stage share the layer's expert map, as expert-data-parallel
+    replicas must).
+    """
+
+    rank2gpu: np.ndarray
+    phy2log: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank2gpu", _frozen(np.asarray(self.rank2gpu, dtype=np.int64)))
+        object.__setattr__(self, "phy2log", _frozen(np.asarray(self.phy2log, dtype=np.int64)))
+
+    @cached_property
+    def log2phy(self) -> np.ndarray:
+        """(num_moe_layers, num_experts) physical slot of each logical expert."""
+        out = np.empty_like(self.phy2log)
+        rows = np.arange(self.phy2log.shape[0])[:, None]
+        out[rows, self.phy2log] = np.arange(self.phy2log.shape[1])[None, :]
+        return _frozen(out)
+
+    def expert2eprank(self, experts_per_rank: int) -> np.ndarray:
+        """(num_moe_layers, num_experts) EP rank hosting each logical expert."""
+        return self.log2phy // experts_per_rank
