@@ -62,6 +62,7 @@ def solve(
     consumer: str = "none",
     group_preserving: bool | None = None,
     objective: str = "total",
+    layout: str = "optimize",
     progress: Callable[[str], None] | None = None,
     started_at: float | None = None,
 ):
@@ -73,7 +74,7 @@ def solve(
     solver : a name from ``solvers.SOLVERS``.
     time_limit_s : wall-clock budget for the whole call, measured from ``started_at`` (default:
         now); the solver gets it less :data:`FINISH_RESERVE_S` for checking and scoring.
-    seed, num_workers, consumer, group_preserving, objective : see :class:`solvers.SolveOptions`.
+    seed, num_workers, consumer, group_preserving, objective, layout : see :class:`solvers.SolveOptions`.
     progress : called with one-line progress messages.
 
     Returns
@@ -100,6 +101,7 @@ def solve(
         consumer=consumer,  # type: ignore[arg-type]
         group_preserving=group_preserving,
         objective=objective,  # type: ignore[arg-type]
+        layout=layout,  # type: ignore[arg-type]
         deadline=start + max(0.1, time_limit_s - FINISH_RESERVE_S),
         progress=progress,
     )

@@ -28,7 +28,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:,.1f} GB"
+    """Bytes in decimal units (kB = 10^3 B ... TB = 10^12 B), four significant figures."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:,.4g} {unit}"
+    return f"{x:.0f} B"
 
 
 def _summary_lines(title: str, m: dict) -> list[str]:
@@ -97,6 +101,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float) -> int:
         consumer=args.consumer,
         group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
         objective=args.objective,
+        layout=args.layout,
         progress=_progress_printer(),
         started_at=started_at,
     )
@@ -139,7 +144,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from solvers import CONSUMERS, OBJECTIVES, SOLVERS
+    from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
     from placement.api import DEFAULT_SOLVER
 
     parser = _Parser(prog="placement", description="Topology-aware expert placement for MoE training.")
@@ -160,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--consumer", default="none", choices=CONSUMERS, help="layout rule of the dispatcher")
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
                     help="only group-preserving expert permutations (auto: when routing is group-limited)")
-    so.add_argument("--objective", default="total", choices=OBJECTIVES)
+    so.add_argument("--objective", default="total", choices=OBJECTIVES,
+                    help="total cross-domain bytes, or the bottleneck (slowest stage's busiest NIC)")
+    so.add_argument("--layout", default="optimize", choices=LAYOUT_MODES,
+                    help="optimize the rank -> GPU map, or keep the default one (fixed)")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 

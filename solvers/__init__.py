@@ -4,7 +4,7 @@ Importing this package registers every solver; ``SOLVERS`` maps names to solve f
 """
 
 from solvers import default as _default  # noqa: F401  (registers "default")
-from solvers.base import CONSUMERS, OBJECTIVES, SolveOptions, SolveResult
+from solvers.base import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SolveOptions, SolveResult
 from solvers.registry import SOLVERS, get_solver, register
 
-__all__ = ["SOLVERS", "get_solver", "register", "SolveOptions", "SolveResult", "CONSUMERS", "OBJECTIVES"]
+__all__ = ["SOLVERS", "get_solver", "register", "SolveOptions", "SolveResult", "CONSUMERS", "OBJECTIVES", "LAYOUT_MODES"]

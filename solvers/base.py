@@ -15,12 +15,14 @@ from typing import Callable, Literal, Protocol
 
 from placement.model import Instance, Placement
 
-__all__ = ["Consumer", "CONSUMERS", "Objective", "OBJECTIVES", "SolveOptions", "SolveResult", "Solver"]
+__all__ = ["Consumer", "CONSUMERS", "Objective", "OBJECTIVES", "LayoutMode", "LAYOUT_MODES", "SolveOptions", "SolveResult", "Solver"]
 
 Consumer = Literal["none", "deepep", "hybridep"]
 CONSUMERS: tuple[Consumer, ...] = ("none", "deepep", "hybridep")
 Objective = Literal["total", "bottleneck"]
 OBJECTIVES: tuple[Objective, ...] = ("total", "bottleneck")
+LayoutMode = Literal["optimize", "fixed"]
+LAYOUT_MODES: tuple[LayoutMode, ...] = ("optimize", "fixed")
 
 
 def default_workers() -> int:
@@ -42,6 +44,8 @@ class SolveOptions:
     group_preserving : only group-preserving expert permutations (required for checkpoint
         permutations under group-limited routing); ``None`` = the model's routing decides.
     objective : ``total`` cross-domain bytes, or the ``bottleneck`` (slowest stage / busiest NIC).
+    layout : ``optimize`` the rank -> GPU map, or keep it ``fixed`` at the default layout (when the
+        launcher decides where ranks run, as for SGLang or vLLM serving).
     deadline : ``time.monotonic()`` instant by which the solver returns; derived if not given.
     progress : called with one-line progress messages (the CLI prints them on a terminal).
     """
@@ -52,6 +56,7 @@ class SolveOptions:
     consumer: Consumer = "none"
     group_preserving: bool | None = None
     objective: Objective = "total"
+    layout: LayoutMode = "optimize"
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
 
