@@ -1,0 +1,139 @@
+"""Small helpers the notebooks share: which solver to use, DeepSeek-V3-like instance variants, figures.
+
+Everything here goes through the library's public API (``placement.instances.build`` of a
+``dataclasses.replace``-d spec, ``placement.solve``, ``placement.cost.evaluate``); nothing computes
+a cost of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+
+import placement
+import solvers
+from placement.instances import SPECS, build
+from placement.model import Cluster, Instance, Placement
+
+__all__ = [
+    "SOLVER",
+    "pick_solver",
+    "dsv3_variant",
+    "with_available",
+    "first_per_domain",
+    "default_placement",
+    "figures_dir",
+    "save_figure",
+    "gb",
+]
+
+
+def pick_solver() -> str:
+    """``"cpsat"`` when it is registered, otherwise the best solver that is (the default layout)."""
+    return "cpsat" if "cpsat" in solvers.SOLVERS else placement.DEFAULT_SOLVER
+
+
+SOLVER = pick_solver()
+
+
+def _stage_sizes(num_dense: int, num_moe: int, pp: int) -> tuple[int, ...]:
+    """Layers per pipeline stage: MoE layers spread evenly (earlier stages take the remainder),
+    the dense layers added to the first stage."""
+    if num_moe < pp:
+        raise ValueError(f"moe_layers: need at least one MoE layer per stage (pp={pp}), found {num_moe}")
+    base, extra = divmod(num_moe, pp)
+    sizes = [base + (1 if s < extra else 0) for s in range(pp)]
+    sizes[0] += num_dense
+    return tuple(sizes)
+
+
+def dsv3_variant(
+    name: str,
+    *,
+    num_domains: int,
+    trays_down: int,
+    ep: int,
+    dp: int,
+    pp: int,
+    moe_layers: int,
+    tokens_per_source: int,
+    heldout_tokens_per_source: int | None = None,
+    global_batch: int,
+    seed: int,
+    cost_mode: str = "per_domain",
+) -> Instance:
+    """A DeepSeek-V3-like instance built in memory from ``SPECS["dsv3_1024"]``.
+
+    The model keeps DeepSeek-V3's shape (256 experts, top-8, 8 groups of which a token uses 4,
+    hidden 7168, FP8 dispatch, BF16 combine) but only its first ``moe_layers`` MoE layers (after
+    the 3 dense ones), so solves stay short; per-step figures are for those layers.  The cluster is
+    ``num_domains`` NVL72 racks (18 trays of 4 GPUs) with ``trays_down`` trays unavailable (a seeded
+    scatter).  TP 1, CP 1, sequences of 4,096 tokens, micro-batch 1.
+    """
+    spec = dataclasses.replace(
+        SPECS["dsv3_1024"],
+        name=name,
+        description=f"notebook variant {name}",
+        num_layers=3 + moe_layers,
+        stage_sizes=_stage_sizes(3, moe_layers, pp),
+        ep=ep,
+        dp=dp,
+        pp=pp,
+        global_batch=global_batch,
+        num_domains=num_domains,
+        trays_down=trays_down,
+        tokens_per_source=tokens_per_source,
+        heldout_tokens_per_source=heldout_tokens_per_source or tokens_per_source,
+        seed=seed,
+        cost_mode=cost_mode,
+    )
+    return build(spec)
+
+
+def with_available(instance: Instance, available: np.ndarray) -> Instance:
+    """``instance`` with a different set of available GPUs (same job, same routing)."""
+    cluster = dataclasses.replace(instance.cluster, available=np.asarray(available, dtype=bool))
+    return dataclasses.replace(instance, cluster=cluster)
+
+
+def first_per_domain(cluster: Cluster, per_domain: int) -> np.ndarray:
+    """(num_gpus,) bool: the first ``per_domain`` available GPUs of each domain (by tray, GPU);
+    domains with fewer available GPUs contribute none (so no EP group of ``per_domain`` ranks has
+    to span two racks)."""
+    mask = np.zeros(cluster.num_gpus, dtype=bool)
+    for d in range(cluster.num_domains):
+        free = np.flatnonzero(cluster.available & (cluster.gpu2domain == d))
+        if len(free) >= per_domain:
+            mask[free[:per_domain]] = True
+    return mask
+
+
+def default_placement(instance: Instance) -> Placement:
+    """The default layout (ranks on the sorted available GPUs, experts contiguous), via the API."""
+    return placement.solve(instance, solver="default", time_limit_s=10.0).placement
+
+
+def figures_dir() -> Path:
+    """Where notebooks save the figures the README shows: ``$PLACEMENT_FIGURES_DIR`` if set (the
+    tests point it at a temporary directory), otherwise the repository's ``docs/figures``."""
+    env = os.environ.get("PLACEMENT_FIGURES_DIR")
+    if env:
+        return Path(env)
+    return Path(placement.__file__).resolve().parent.parent / "docs" / "figures"
+
+
+def save_figure(fig, filename: str) -> Path:
+    """Save ``fig`` as a PNG under :func:`figures_dir` (no timestamp metadata) and return the path."""
+    out = figures_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / filename
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
+def gb(x: float) -> float:
+    """Bytes to GB (10^9 bytes)."""
+    return float(x) / 1e9

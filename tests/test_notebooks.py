@@ -1,0 +1,70 @@
+"""The notebooks run headless, from a clean copy, as part of the suite; one that raises fails it.
+
+Each notebook is executed with nbclient (kernel ``python3``, ``MPLBACKEND=Agg``) in a temporary
+directory holding a copy of ``notebooks/``, so the committed files (kept with their outputs for
+readers on GitHub) are never overwritten; figures go to a temporary ``PLACEMENT_FIGURES_DIR``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+EXPECTED = {"ep_size", "racks_and_trays", "time_limit_and_cost_mode", "drift"}
+CELL_TIMEOUT_S = 300
+
+
+def _outputs(nb) -> list:
+    return [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+
+
+def _has_image(nb) -> bool:
+    return any("image/png" in o.get("data", {}) for o in _outputs(nb))
+
+
+def _has_conclusion(nb) -> bool:
+    return any(cell.cell_type == "markdown" and re.search(r"^#+ Conclusion", cell.source, re.M) for cell in nb.cells)
+
+
+def test_every_notebook_is_here():
+    assert EXPECTED <= {p.stem for p in NOTEBOOKS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_notebook_shows_its_plots(path):
+    """What a reader sees on GitHub: outputs kept, with plots, and a written conclusion."""
+    nb = nbformat.read(path, as_version=4)
+    assert _has_image(nb), f"{path.name}: committed without plot outputs"
+    assert _has_conclusion(nb), f"{path.name}: no '# Conclusion' markdown cell"
+    errors = [o for o in _outputs(nb) if o.get("output_type") == "error"]
+    assert not errors, f"{path.name}: committed with an error output"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(path, tmp_path, monkeypatch):
+    work = tmp_path / "notebooks"
+    shutil.copytree(NOTEBOOK_DIR, work, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("PLACEMENT_FIGURES_DIR", str(tmp_path / "figures"))
+    monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
+    nb = nbformat.read(work / path.name, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(work)}}
+    )
+    client.execute()  # raises CellExecutionError when a cell raises
+    assert _has_image(nb), f"{path.name}: produced no plot"
+    stderr = "".join(o.get("text", "") for o in _outputs(nb) if o.get("name") == "stderr")
+    assert "Warning" not in stderr, f"{path.name}: warnings on stderr:\n{stderr}"
