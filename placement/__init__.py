@@ -1,18 +1,27 @@
 """placement: topology-aware expert placement for Mixture-of-Experts training.
 
 The public API (see :mod:`placement.api`): :func:`load_instance`, :func:`solve`,
-:func:`evaluate_placement`, :func:`save_result`; the model in :mod:`placement.model`; the cost
-model in :mod:`placement.cost`.
+:func:`evaluate_placement`, :func:`check_placement`, :func:`save_result`, :class:`SignalStop`;
+the model in :mod:`placement.model`; the cost model in :mod:`placement.cost`.  Every error raised
+on purpose is a :class:`PlacementError`; its ``exit_code`` is what the CLI exits with.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from placement.api import (
     DEFAULT_SOLVER,
+    FINISH_RESERVE_S,
+    Interrupted,
+    SignalStop,
+    check_placement,
+    estimate_finish_s,
     evaluate_placement,
     load_instance,
     load_placement,
     result_document,
     save_result,
     solve,
+    solver_names,
 )
 from placement.model import (
     InfeasibleError,
@@ -23,16 +32,27 @@ from placement.model import (
     SolverError,
 )
 
+if TYPE_CHECKING:
+    from solvers.base import SolveOptions, SolveResult
+
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_SOLVER",
+    "FINISH_RESERVE_S",
     "load_instance",
     "load_placement",
-    "solve",
+    "check_placement",
     "evaluate_placement",
+    "solver_names",
+    "estimate_finish_s",
+    "solve",
     "save_result",
     "result_document",
+    "SignalStop",
+    "Interrupted",
+    "SolveOptions",
+    "SolveResult",
     "Instance",
     "Placement",
     "PlacementError",
@@ -40,3 +60,12 @@ __all__ = [
     "InfeasibleError",
     "SolverError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The solver types live in the solvers package, which imports placement: resolve them lazily.
+    if name in ("SolveOptions", "SolveResult"):
+        import solvers.base
+
+        return getattr(solvers.base, name)
+    raise AttributeError(f"module 'placement' has no attribute {name!r}")

@@ -1,55 +1,187 @@
 """The Python API: what job schedulers and notebooks call.  Nothing here prints.
 
+Every error a caller can cause is a :class:`~placement.model.PlacementError` (``InvalidInputError``,
+``InfeasibleError``, ``SolverError``), whose ``exit_code`` is what the CLI would exit with; a bug
+inside a solver surfaces as ``SolverError`` too.
+
 >>> import placement
->>> inst = placement.load_instance("instances/tiny.json")          # doctest: +SKIP
->>> result = placement.solve(inst, time_limit_s=10, seed=0)         # doctest: +SKIP
->>> result.metrics["heldout_cross_domain_bytes_per_step"]           # doctest: +SKIP
+>>> inst = placement.load_instance("instances/tiny.json")                  # doctest: +SKIP
+>>> result = placement.solve(inst, time_limit_s=10, seed=0)                 # doctest: +SKIP
+>>> result.metrics["heldout_cross_domain_bytes_per_step"]                   # doctest: +SKIP
+>>> placement.save_result(inst, result, "tiny.placement.json")              # doctest: +SKIP
+
+Deadlines
+---------
+``solve(..., time_limit_s=T, started_at=t0)`` returns by ``t0 + T`` (a ``time.monotonic()``
+instant; default: when ``solve`` is called) within a small margin: the solver gets the budget less
+a reserve for checking and scoring its answer, :data:`FINISH_RESERVE_S` plus the scoring time
+(estimated from the instance's size, or passed as ``finish_reserve_s`` by a caller that measured
+it).  Pass the instant before :func:`load_instance` as ``started_at`` to count loading as well.
+Setting ``stop_event`` (a :class:`threading.Event`) from another thread or a signal handler makes
+the solver return the best complete placement it has found so far; the result then carries
+``details["interrupted"] = True``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import signal
+import socket
+import threading
 import time
-from typing import Callable
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, Callable
 
-from placement.checker import check_or_raise
+from placement.checker import check, check_or_raise
 from placement.cost import report
 from placement.formats import placement_document, read_instance, read_placement, write_placement
-from placement.model import Instance, Placement, SolverError
+from placement.model import Instance, InvalidInputError, Placement, PlacementError, SolverError
+
+if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
+    from solvers.base import Consumer, LayoutMode, Objective, SolveResult
 
 __all__ = [
     "DEFAULT_SOLVER",
     "FINISH_RESERVE_S",
+    "SCORING_S_PER_EXPERT_ID",
+    "MAX_SEED",
+    "MAX_WORKERS",
     "load_instance",
     "load_placement",
-    "solve",
+    "check_placement",
     "evaluate_placement",
-    "save_result",
+    "solver_names",
+    "estimate_finish_s",
+    "solve",
     "result_document",
+    "save_result",
+    "Interrupted",
+    "SignalStop",
 ]
 
 DEFAULT_SOLVER = "default"
-# Time kept back from the solver's share of the limit for checking, scoring and writing the result.
-FINISH_RESERVE_S = 1.0
+# Seconds kept back from the time limit, beyond the scoring estimate, for checking the answer,
+# building its document and writing the file.  Measured overruns are in the README.
+FINISH_RESERVE_S = 0.5
+# Scoring cost per routed expert id (both windows), used to reserve time for scoring the answer:
+# a conservative figure (the evaluator ran at 60-170 ns per id on the 2-core build machine under
+# load, dsv3_256 and dsv3_1024), so the estimate errs on the early side.
+SCORING_S_PER_EXPERT_ID = 2.5e-7
+MAX_SEED = 2**31 - 1  # CP-SAT's random_seed is a 32-bit integer
+MAX_WORKERS = 1024
 
 
-def load_instance(path: str | os.PathLike) -> Instance:
-    """Read and validate an instance file (raises :class:`~placement.model.InvalidInputError`)."""
+def load_instance(path: str | os.PathLike[str]) -> Instance:
+    """Read and validate an instance file and its routing ``.npz``.
+
+    Parameters
+    ----------
+    path : the instance JSON; its ``routing.file`` is resolved inside the same folder.
+
+    Returns
+    -------
+    Instance, with ``sha256`` identifying its files.
+
+    Raises
+    ------
+    InvalidInputError
+        One line naming the file and the field (malformed JSON, wrong types, sizes out of range,
+        a missing, truncated or pickled ``.npz``, a path escaping the folder, ...).
+    """
     return read_instance(path)
 
 
-def load_placement(instance: Instance, path: str | os.PathLike) -> Placement:
-    """Read a placement file and check it against ``instance`` (raises ``InvalidInputError``)."""
+def load_placement(instance: Instance, path: str | os.PathLike[str]) -> Placement:
+    """Read a placement file and check it against ``instance``.
+
+    Raises
+    ------
+    InvalidInputError
+        The file is malformed, or the checker finds a violation (the first is named).
+    """
     placement, _ = read_placement(path)
     check_or_raise(instance, placement)
     return placement
 
 
-def evaluate_placement(instance: Instance, placement: Placement) -> dict:
-    """The evaluator's report on the sampled and held-out windows (checks the placement first)."""
+def check_placement(instance: Instance, placement: Placement) -> list[str]:
+    """Every structural violation of ``placement`` against ``instance`` (empty: valid)."""
+    return check(instance, placement)
+
+
+def evaluate_placement(instance: Instance, placement: Placement) -> dict[str, Any]:
+    """The evaluator's report on the sampled and the held-out window.
+
+    Returns
+    -------
+    dict of :class:`placement.cost.Metrics` fields (per optimizer step); held-out twins carry the
+    prefix ``heldout_``.
+
+    Raises
+    ------
+    InvalidInputError
+        The placement violates the instance (checked first).
+    """
     check_or_raise(instance, placement)
     return report(instance, placement)
+
+
+def solver_names() -> list[str]:
+    """The registered solver names, sorted (what ``solver=`` and ``--solver`` accept)."""
+    from solvers import SOLVERS
+
+    return sorted(SOLVERS)
+
+
+def estimate_finish_s(instance: Instance) -> float:
+    """Seconds to keep back for checking, scoring and writing a solver's answer.
+
+    :data:`FINISH_RESERVE_S` plus :data:`SCORING_S_PER_EXPERT_ID` per routed expert id of both
+    windows (about 1.9 s for dsv3_1024).
+    """
+    ids = instance.routing.topk.size
+    if instance.routing.heldout_topk is not None:
+        ids += instance.routing.heldout_topk.size
+    return FINISH_RESERVE_S + SCORING_S_PER_EXPERT_ID * ids
+
+
+def _check_arguments(
+    solver: str,
+    time_limit_s: float,
+    seed: int,
+    num_workers: int | None,
+    consumer: str,
+    group_preserving: bool | None,
+    objective: str,
+    layout: str,
+    finish_reserve_s: float | None,
+) -> None:
+    from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
+
+    def choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
+        if not isinstance(value, str) or value not in choices:
+            raise InvalidInputError(f"{name}: expected one of {', '.join(choices)}, found {value!r}")
+
+    choice("solver", solver, sorted(SOLVERS))
+    choice("consumer", consumer, CONSUMERS)
+    choice("objective", objective, OBJECTIVES)
+    choice("layout", layout, LAYOUT_MODES)
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
+        math.isfinite(time_limit_s) and time_limit_s > 0
+    ):
+        raise InvalidInputError(f"time_limit_s: expected a positive, finite number of seconds, found {time_limit_s!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise InvalidInputError(f"seed: expected an integer in [0, {MAX_SEED}], found {seed!r}")
+    if num_workers is not None and (
+        isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS
+    ):
+        raise InvalidInputError(f"num_workers: expected an integer in [1, {MAX_WORKERS}] or None, found {num_workers!r}")
+    if group_preserving not in (None, True, False):
+        raise InvalidInputError(f"group_preserving: expected True, False or None, found {group_preserving!r}")
+    if finish_reserve_s is not None and not (math.isfinite(finish_reserve_s) and finish_reserve_s >= 0):
+        raise InvalidInputError(f"finish_reserve_s: expected a non-negative number of seconds, found {finish_reserve_s!r}")
 
 
 def solve(
@@ -59,68 +191,207 @@ def solve(
     time_limit_s: float = 60.0,
     seed: int = 0,
     num_workers: int | None = None,
-    consumer: str = "none",
+    consumer: Consumer = "none",
     group_preserving: bool | None = None,
-    objective: str = "total",
-    layout: str = "optimize",
+    objective: Objective = "total",
+    layout: LayoutMode = "optimize",
     progress: Callable[[str], None] | None = None,
     started_at: float | None = None,
-):
-    """Solve ``instance`` with a registered solver and score the answer.
+    stop_event: threading.Event | None = None,
+    finish_reserve_s: float | None = None,
+) -> SolveResult:
+    """Solve ``instance`` with a registered solver, check the answer and score it.
 
     Parameters
     ----------
-    instance : the problem (its held-out window is withheld from the solver).
-    solver : a name from ``solvers.SOLVERS``.
-    time_limit_s : wall-clock budget for the whole call, measured from ``started_at`` (default:
-        now); the solver gets it less :data:`FINISH_RESERVE_S` for checking and scoring.
-    seed, num_workers, consumer, group_preserving, objective, layout : see :class:`solvers.SolveOptions`.
-    progress : called with one-line progress messages.
+    instance : the problem; the solver sees :meth:`~placement.model.Instance.for_solver` (no
+        held-out window), the evaluator scores both windows.
+    solver : a name from :func:`solver_names`.
+    time_limit_s : wall-clock budget of the whole call, counted from ``started_at``.
+    seed : random seed in ``[0, MAX_SEED]``; the same instance, seed and options give the same
+        placement when the solver finishes before its deadline.
+    num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
+        this process (CPU affinity, capped by a cgroup CPU quota).
+    consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher.
+    group_preserving : only group-preserving expert permutations; ``None``: when the model's
+        routing is group-limited.
+    objective : ``total`` cross-domain bytes or the ``bottleneck`` (slowest stage's busiest NIC).
+    layout : ``optimize`` the rank -> GPU map, or keep the default one (``fixed``).
+    progress : called with one-line progress messages (never printed by the library).
+    started_at : ``time.monotonic()`` instant the budget started (default: now).
+    stop_event : when set (by another thread, a signal handler), the solver returns the best
+        placement found so far; ``details["interrupted"]`` is then True.
+    finish_reserve_s : seconds kept back for checking and scoring; default
+        :func:`estimate_finish_s`.
 
     Returns
     -------
-    solvers.SolveResult with ``metrics`` (the evaluator's report) and ``wall_s`` filled in.
+    solvers.SolveResult with ``metrics`` (the evaluator's report, sampled and ``heldout_`` keys)
+    and ``wall_s`` (seconds since ``started_at``) filled in.
 
     Raises
     ------
-    InvalidInputError, InfeasibleError, SolverError
+    InvalidInputError
+        A bad argument (the message names it).
+    InfeasibleError
+        The request cannot be met (too few GPUs, a consumer rule that cannot hold).
+    SolverError
+        The solver failed or returned an invalid placement.
     """
     from solvers import SolveOptions, get_solver
     from solvers.base import default_workers
 
     start = time.monotonic() if started_at is None else started_at
+    _check_arguments(
+        solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
+    )
     fn = get_solver(solver)
-    if time_limit_s <= 0:
-        from placement.model import InvalidInputError
-
-        raise InvalidInputError(f"--time-limit: expected a positive number of seconds, found {time_limit_s}")
+    reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(
         time_limit_s=time_limit_s,
         seed=seed,
         num_workers=num_workers or default_workers(),
-        consumer=consumer,  # type: ignore[arg-type]
+        consumer=consumer,
         group_preserving=group_preserving,
-        objective=objective,  # type: ignore[arg-type]
-        layout=layout,  # type: ignore[arg-type]
-        deadline=start + max(0.1, time_limit_s - FINISH_RESERVE_S),
+        objective=objective,
+        layout=layout,
+        # May already have passed (loading ate the budget): solvers then return what they have.
+        deadline=start + time_limit_s - reserve,
         progress=progress,
+        stop_event=stop_event,
     )
-    result = fn(instance.for_solver(), options)
     try:
-        check_or_raise(instance, result.placement)
-    except Exception as exc:
-        raise SolverError(f"solver {solver!r} returned an invalid placement: {exc}") from None
+        result = fn(instance.for_solver(), options)
+    except PlacementError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a solver bug must still reach the caller as a PlacementError
+        raise SolverError(f"solver {solver!r} failed: {type(exc).__name__}: {exc}") from exc
+    problems = check(instance, result.placement)
+    if problems:
+        raise SolverError(f"solver {solver!r} returned an invalid placement: {problems[0]}")
     metrics = report(instance, result.placement)
     params = {**result.params, "seed": seed, "time_limit_s": time_limit_s}
-    return dataclasses.replace(result, params=params, metrics=metrics, wall_s=time.monotonic() - start)
+    details = dict(result.details)
+    if stop_event is not None and stop_event.is_set():
+        details["interrupted"] = True
+    return dataclasses.replace(
+        result, params=params, details=details, metrics=metrics, wall_s=time.monotonic() - start
+    )
 
 
-def result_document(instance: Instance, result) -> dict:
-    """The placement-file document for a :class:`solvers.SolveResult` (deterministic)."""
+class Interrupted(KeyboardInterrupt):
+    """A signal arrived when there was nothing worth saving (or a second one arrived).
+
+    ``signum`` is the signal; ``exit_code`` the shell convention ``128 + signum`` (130 for
+    SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class SignalStop:
+    """While active, SIGINT and SIGTERM ask a solve to stop instead of killing the process.
+
+    A context manager for the main thread of a program that embeds :func:`solve` (the CLI uses
+    it).  Pass :attr:`event` as ``solve(stop_event=...)`` and set :attr:`armed` just before
+    solving.  Then:
+
+    - a signal before the solve (``armed`` False) raises :class:`Interrupted` at once: nothing has
+      been found that is worth saving;
+    - the first signal once armed only sets :attr:`event`: the solver returns the best complete
+      placement found so far and the caller checks, scores and writes it;
+    - a second signal raises :class:`Interrupted` wherever the main thread is (an atomic write in
+      progress removes its temporary file, so no partial file appears).
+
+    Python runs signal handlers only between bytecodes of the main thread, which may sit in C
+    code for a long time (CP-SAT's ``solve``).  So a helper thread also reads the signal numbers
+    from :func:`signal.set_wakeup_fd` and sets :attr:`event` at once; solvers relay it to C code
+    with :func:`solvers.base.call_on_stop`.  Outside the main thread the handlers cannot be
+    installed and only :attr:`event` is provided.  Previous handlers are restored on exit.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self.signals = tuple(int(s) for s in signals)
+        self.event = threading.Event()
+        self.armed = False
+        self.signum: int | None = None  # the first signal received
+        self._count = 0
+        self._old_handlers: dict[int, Any] = {}
+        self._old_wakeup_fd = -1
+        self._socks: tuple[socket.socket, socket.socket] | None = None
+        self._watcher: threading.Thread | None = None
+
+    def __enter__(self) -> SignalStop:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for s in self.signals:
+            self._old_handlers[s] = signal.signal(s, self._handle)
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._socks = (reader, writer)
+        self._old_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, name="placement-signal-watch", daemon=True)
+        self._watcher.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._socks is None:
+            return
+        signal.set_wakeup_fd(self._old_wakeup_fd)
+        for s, old in self._old_handlers.items():
+            signal.signal(s, old)
+        reader, writer = self._socks
+        try:
+            writer.send(b"\0")  # wakes the watcher: no signal has number 0
+        except OSError:
+            pass
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        reader.close()
+        writer.close()
+        self._socks = None
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signum`` of the first signal (0 if none arrived)."""
+        return 0 if self.signum is None else 128 + self.signum
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._count += 1
+        if self.signum is None:
+            self.signum = signum
+        self.event.set()
+        if not self.armed or self._count > 1:
+            raise Interrupted(self.signum)
+
+    def _watch(self) -> None:
+        assert self._socks is not None
+        reader = self._socks[0]
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for byte in data:
+                if byte == 0:
+                    return
+                if byte in self.signals and self.armed:
+                    self.event.set()
+
+
+def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
+    """The placement-file document of a solve result (deterministic: no wall-clock values)."""
     solve_info = {
         "status": result.status,
-        "objective_bytes": result.objective_bytes,
-        "bound_bytes": result.bound_bytes,
+        "objective_bytes": float(result.objective_bytes),
+        "bound_bytes": None if result.bound_bytes is None else float(result.bound_bytes),
         "gap": result.gap,
         "details": result.details,
     }
@@ -137,6 +408,6 @@ def result_document(instance: Instance, result) -> dict:
     )
 
 
-def save_result(instance: Instance, result, path: str | os.PathLike) -> None:
-    """Write the placement file for ``result`` atomically."""
+def save_result(instance: Instance, result: SolveResult, path: str | os.PathLike[str]) -> None:
+    """Write the placement file of ``result`` atomically (a reader never sees a partial file)."""
     write_placement(path, result_document(instance, result))

@@ -2,28 +2,52 @@
 
 ``main(argv) -> int`` is the only place that prints or exits.  Exit codes: 0 success, 2 invalid
 input, 3 infeasible, 1 anything else; errors are one line on stderr, never a traceback.
+
+``placement solve`` and signals: ``--time-limit`` bounds the whole command from process start
+(interpreter start-up, loading and scoring included) within the margin measured in the README.
+A SIGINT or SIGTERM during the solve makes the solver return the best placement found so far; it
+is checked, scored and written atomically to ``-o`` and the command exits 0 (with one line on
+stderr saying it was interrupted).  Without ``-o``, or when the signal arrives before the solve
+(while loading) or a second time, nothing is written and the command exits 130 (SIGINT) or 143
+(SIGTERM).  So exit 0 always means: the output file is complete and valid.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
 import sys
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, NoReturn, Sequence
 
+from placement.api import SignalStop
 from placement.model import InvalidInputError, PlacementError
 
-__all__ = ["main", "entry", "EXIT_OK", "EXIT_ERROR", "EXIT_INVALID", "EXIT_INFEASIBLE"]
+__all__ = [
+    "main",
+    "entry",
+    "EXIT_OK",
+    "EXIT_ERROR",
+    "EXIT_INVALID",
+    "EXIT_INFEASIBLE",
+    "EXIT_SIGINT",
+    "EXIT_SIGTERM",
+]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_INVALID = 2
 EXIT_INFEASIBLE = 3
+EXIT_SIGINT = 128 + signal.SIGINT  # 130: interrupted, nothing written
+EXIT_SIGTERM = 128 + signal.SIGTERM  # 143: terminated, nothing written
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         raise InvalidInputError(f"{self.prog}: {message}")
 
 
@@ -39,7 +63,7 @@ def _summary_lines(title: str, m: dict) -> list[str]:
     has_held = "heldout_cross_domain_bytes_per_step" in m
     lines = [f"{title}  (cost mode {m['cost_mode']}, per optimizer step)"]
 
-    def row(label: str, key: str, fmt) -> None:
+    def row(label: str, key: str, fmt: Callable[[float], str]) -> None:
         held = f"   held-out {fmt(m['heldout_' + key])}" if has_held else ""
         lines.append(f"  {label:<38}{fmt(m[key]):>16}{held}")
 
@@ -75,7 +99,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _progress_printer():
+def _progress_printer() -> Callable[[str], None] | None:
     if not sys.stderr.isatty():
         return None
 
@@ -85,13 +109,37 @@ def _progress_printer():
     return show
 
 
-def _cmd_solve(args: argparse.Namespace, started_at: float) -> int:
-    from placement.api import load_instance, result_document, solve
+def _check_output_path(path: str) -> None:
+    """Refuse an output path that cannot be written before spending the time limit on a solve."""
+    out = Path(path)
+    if out.is_dir():
+        raise InvalidInputError(f"--output: {out} is a directory")
+    folder = out.parent
+    if not folder.is_dir():
+        raise InvalidInputError(f"--output: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"--output: folder {folder} is not writable")
+
+
+def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) -> int:
+    from placement.api import FINISH_RESERVE_S, load_instance, result_document, solve
     from placement.cost import report
     from placement.formats import write_placement
     from solvers.default import default_placement
 
+    if args.output:
+        _check_output_path(args.output)
     instance = load_instance(args.instance)
+    # The default layout's report, for the comparison below; its time predicts the time needed
+    # to score the solver's answer, which is kept back from the solver's share of the limit.
+    t0 = time.monotonic()
+    baseline = report(instance, default_placement(instance))
+    scoring_s = time.monotonic() - t0
+    stop.armed = True  # from here a first signal asks for the best placement so far
+    progress = _progress_printer()
+    if progress is not None:
+        left_s = args.time_limit - (time.monotonic() - started_at)
+        progress(f"solving {instance.name} with {args.solver}: {left_s:.1f} s left of the {args.time_limit:g} s limit")
     result = solve(
         instance,
         solver=args.solver,
@@ -102,13 +150,22 @@ def _cmd_solve(args: argparse.Namespace, started_at: float) -> int:
         group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
         objective=args.objective,
         layout=args.layout,
-        progress=_progress_printer(),
+        progress=progress,
         started_at=started_at,
+        stop_event=stop.event,
+        finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
     )
     doc = result_document(instance, result)
+    interrupted = stop.event.is_set()
+    signame = signal.Signals(stop.signum).name if stop.signum is not None else "a signal"
     if args.output:
         write_placement(args.output, doc)
-    baseline = report(instance, default_placement(instance))
+        if interrupted:
+            print(f"placement: interrupted by {signame}: wrote the best placement found so far to {args.output}",
+                  file=sys.stderr)
+    elif interrupted:
+        print(f"placement: interrupted by {signame}: no --output given, nothing written", file=sys.stderr)
+        return stop.exit_code or EXIT_SIGINT
     if args.json:
         out = {
             "solver": result.solver,
@@ -117,6 +174,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float) -> int:
             "bound_bytes": result.bound_bytes,
             "gap": result.gap,
             "wall_s": result.wall_s,
+            "interrupted": interrupted,
             "output": args.output,
             "metrics": result.metrics,
             "default_metrics": baseline,
@@ -173,8 +231,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    started_at = time.monotonic()
+def _one_line(message: str) -> str:
+    """Escape newlines and other unprintable characters so that an error stays one line."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
+
+
+def _process_started_at() -> float:
+    """The ``time.monotonic()`` instant this process started (Linux), else now.
+
+    So that ``--time-limit`` also covers interpreter start-up and imports.
+    """
+    now = time.monotonic()
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()  # fields from the 3rd (state) on
+        start_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # the 22nd: start, ticks since boot
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_s
+    except (OSError, ValueError, IndexError, AttributeError):
+        return now
+    return now - age_s if 0.0 <= age_s < 60.0 else now
+
+
+def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) -> int:
+    """Run the command line; returns the exit code.
+
+    ``started_at``: the ``time.monotonic()`` instant the time limit counts from (default: now;
+    the console script passes the process start).
+    """
+    started_at = time.monotonic() if started_at is None else started_at
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -185,23 +270,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise InvalidInputError(f"--seed: expected a non-negative integer, found {args.seed}")
             if args.workers is not None and args.workers < 1:
                 raise InvalidInputError(f"--workers: expected a positive integer, found {args.workers}")
-            return _cmd_solve(args, started_at)
+            if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+                raise InvalidInputError(f"--time-limit: expected a positive number of seconds, found {args.time_limit}")
+            with SignalStop() as stop:
+                return _cmd_solve(args, started_at, stop)
         raise InvalidInputError(f"unknown command {args.command!r}")  # pragma: no cover
     except PlacementError as exc:
-        print(f"placement: error: {exc}", file=sys.stderr)
+        print(f"placement: error: {_one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("placement: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # SIGINT outside a solve, or Interrupted from SignalStop
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"placement: interrupted by {signal.Signals(signum).name}, nothing written", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         return EXIT_ERROR
     except MemoryError:
         print("placement: error: out of memory", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - the CLI never shows a traceback
-        print(f"placement: error: internal: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"placement: error: internal: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
 
 
 def entry() -> None:
-    sys.exit(main())
+    sys.exit(main(started_at=_process_started_at()))

@@ -11,7 +11,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
+import re
+import stat
+import string
 import tempfile
 import zipfile
 from pathlib import Path
@@ -45,11 +49,26 @@ __all__ = [
     "atomic_write_text",
     "json_schemas",
     "dumps",
+    "MAX_INT",
+    "MAX_GPUS",
+    "MAX_LAYER_EXPERTS",
+    "MAX_ROUTING_IDS",
+    "MAX_JSON_BYTES",
+    "MAX_NPZ_BYTES",
 ]
 
 INSTANCE_SCHEMA_VERSION = 1
 PLACEMENT_SCHEMA_VERSION = 1
 MAX_INT = 2**40  # a bound on every size, so that absurd values fail early with a clear message
+# Bounds checked before anything sized by the input is allocated (a size like 10**30 is an input
+# error, never an attempt to allocate).  Generous: dsv3_1024 needs 1,080 GPUs, 58 x 256 expert map
+# cells and 3.8 M expert ids per routing array.
+MAX_GPUS = 2**20  # GPUs of the cluster, and ranks of the job
+MAX_LAYER_EXPERTS = 2**26  # num_moe_layers * num_experts: the cells of one expert map
+MAX_ROUTING_IDS = 2**26  # expert ids in one routing array (17x dsv3_1024's)
+MAX_JSON_BYTES = 2**28  # an instance or placement JSON file
+MAX_NPZ_BYTES = 2**31  # a routing .npz file (compressed)
+MIN_GBPS, MAX_GBPS = 1e-3, 1e9  # bandwidths outside this range are typos (and overflow times)
 
 INSTANCE_SPEC = Obj(
     "A placement problem: MoE model, parallel layout, cluster, routing statistics, cost mode.",
@@ -111,13 +130,17 @@ INSTANCE_SPEC = Obj(
                 "scaleout_gbps": Num(
                     "Scale-out NIC bandwidth per GPU, each direction.", exclusive_minimum=0, unit="10^9 bytes/s"
                 ),
-                "host_format": Str("Host name pattern with {domain}, {tray}, {host} fields."),
+                "host_format": Str(
+                    "Host name pattern with {domain}, {tray}, {host} fields (format specs like 02d); "
+                    "every host must get a distinct name."
+                ),
                 "unavailable_gpus": List(
-                    "GPU ids that are busy or down: (domain*trays_per_domain+tray)*gpus_per_tray+local.",
+                    "GPU ids that are busy or down: (domain*trays_per_domain+tray)*gpus_per_tray+local; "
+                    "each at most once, and none of a tray listed in unavailable_trays.",
                     Int("GPU id.", 0),
                 ),
                 "unavailable_trays": List(
-                    "Trays that are busy or down, as [domain, tray] pairs.",
+                    "Trays that are busy or down, as [domain, tray] pairs, each at most once.",
                     List("[domain, tray]", Int("Index.", 0), 2),
                 ),
             },
@@ -150,10 +173,10 @@ PLACEMENT_SPEC = Obj(
         "seed": Int("Random seed.", 0),
         "group_preserving": Bool("True when every layer's permutation keeps expert groups whole."),
         "consumer": Str("Consumer rule the layout obeys (none, deepep, hybridep)."),
-        "rank2gpu": List("Physical GPU id of each global rank.", Int("GPU id.", 0)),
+        "rank2gpu": List("Physical GPU id of each global rank.", Int("GPU id.", 0, MAX_INT)),
         "phy2log": List(
             "Per MoE layer, the logical expert of each physical slot; slot p on EP rank p // slots_per_rank.",
-            List("One layer's map.", Int("Expert id.", 0)),
+            List("One layer's map.", Int("Expert id.", 0, MAX_INT)),
         ),
         "metrics": Any_("The evaluator's report (sampled and heldout_ keys)."),
         "solve": Any_("Solver report: status, objective, bound, gap, per-layer details."),
@@ -203,27 +226,62 @@ def dumps(doc: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 # Instance
 # ---------------------------------------------------------------------------------------------
-def _load_json(path: Path, what: str) -> Any:
+def _read_input_file(path: Path, what: str, max_bytes: int, label: str) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``; errors start with ``label``.
+
+    FIFOs, devices and directories are refused before anything is read (``/dev/zero`` as an
+    instance must not fill memory; a FIFO must not block the command).
+    """
     try:
-        raw = path.read_bytes()
+        info = path.stat()
     except FileNotFoundError:
-        raise InvalidInputError(f"{path}: {what} file not found") from None
-    except IsADirectoryError:
-        raise InvalidInputError(f"{path}: expected a {what} file, found a directory") from None
-    except OSError as exc:
-        raise InvalidInputError(f"{path}: cannot read {what} file: {exc.strerror}") from None
+        raise InvalidInputError(f"{label}: {what} file not found") from None
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL in the path
+        raise InvalidInputError(f"{label}: cannot read {what} file: {getattr(exc, 'strerror', None) or exc}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise InvalidInputError(f"{label}: expected a {what} file, found a directory")
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidInputError(f"{label}: expected a regular {what} file")
+    too_big = f"{label}: the {what} file is larger than the limit of {max_bytes:,} bytes"
+    if info.st_size > max_bytes:
+        raise InvalidInputError(too_big)
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant), raw
+        with path.open("rb") as fh:
+            raw = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise InvalidInputError(f"{label}: cannot read {what} file: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:  # grew since stat
+        raise InvalidInputError(too_big)
+    return raw
+
+
+def _load_json(path: Path, what: str) -> tuple[Any, bytes]:
+    raw = _read_input_file(path, what, MAX_JSON_BYTES, str(path))
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InvalidInputError(f"{path}: not UTF-8 text") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys), raw
     except json.JSONDecodeError as exc:
         raise InvalidInputError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    except ValueError as exc:
-        raise InvalidInputError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise InvalidInputError(f"{path}: malformed JSON: nested too deeply") from None
+    except ValueError as exc:  # non-finite constants, duplicate keys, integers of > 4300 digits
+        raise InvalidInputError(f"{path}: malformed JSON: {exc}") from None
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not valid JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in an object")
+        out[key] = value
+    return out
 
 
 def _fail(where: Path, path: str, msg: str) -> InvalidInputError:
@@ -232,6 +290,20 @@ def _fail(where: Path, path: str, msg: str) -> InvalidInputError:
 
 def _check_instance_semantics(doc: dict, where: Path) -> None:
     m, p, c = doc["model"], doc["parallel"], doc["cluster"]
+    # Sizes first: nothing below (or in the model) may allocate by an unchecked product.
+    world = p["tp"] * p["cp"] * p["dp"] * p["pp"]
+    if world > MAX_GPUS:
+        raise _fail(where, "parallel", f"tp*cp*dp*pp = {world} ranks exceeds the limit of {MAX_GPUS:,}")
+    n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
+    if n_gpus > MAX_GPUS:
+        raise _fail(
+            where, "cluster", f"num_domains*trays_per_domain*gpus_per_tray = {n_gpus} GPUs exceeds the limit of {MAX_GPUS:,}"
+        )
+    if len(m["moe_layers"]) * m["num_experts"] > MAX_LAYER_EXPERTS:
+        raise _fail(where, "model.num_experts", f"MoE layers x experts exceeds the limit of {MAX_LAYER_EXPERTS:,}")
+    for key in ("nvlink_gbps", "scaleout_gbps"):
+        if not MIN_GBPS <= c[key] <= MAX_GBPS:
+            raise _fail(where, f"cluster.{key}", f"expected between {MIN_GBPS:g} and {MAX_GBPS:g} (10^9 bytes/s), found {c[key]}")
     L = m["num_layers"]
     moe = m["moe_layers"]
     if any(b <= a for a, b in zip(moe, moe[1:])):
@@ -273,7 +345,6 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
         raise _fail(where, "parallel.stage_layers", f"expected every layer 0..{L - 1} exactly once")
     if p["global_batch"] % (p["dp"] * p["micro_batch"]):
         raise _fail(where, "parallel.global_batch", "must be a multiple of dp * micro_batch")
-    n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
     bad = [g for g in c.get("unavailable_gpus", []) if g >= n_gpus]
     if bad:
         raise _fail(where, "cluster.unavailable_gpus", f"GPU id {bad[0]} is out of range (cluster has {n_gpus})")
@@ -285,51 +356,143 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
             raise _fail(where, f"cluster.unavailable_trays[{i}]", f"expected [domain, tray] in range, found {list(t)}")
     if len(set(trays)) != len(trays):
         raise _fail(where, "cluster.unavailable_trays", "duplicate trays")
-    fmt = c.get("host_format", "rack{domain:02d}-tray{tray:02d}")
+    # A GPU listed on its own and again through its tray: the two lists disagree about what is
+    # down (usually a wrong tray or GPU index), so it is refused rather than silently merged.
+    down_trays = {(d, t): i for i, (d, t) in enumerate(trays)}
+    per_domain = c["trays_per_domain"] * c["gpus_per_tray"]
+    for g in c.get("unavailable_gpus", []):
+        tray = (g // per_domain, (g % per_domain) // c["gpus_per_tray"])
+        if tray in down_trays:
+            raise _fail(
+                where,
+                "cluster.unavailable_gpus",
+                f"GPU {g} is in tray {list(tray)}, already unavailable as cluster.unavailable_trays[{down_trays[tray]}]",
+            )
+    _check_host_format(where, c.get("host_format", "rack{domain:02d}-tray{tray:02d}"), c)
+
+
+_HOST_FIELDS = ("domain", "tray", "host")
+_HOST_SPEC = re.compile(r"0?[1-9]?[0-9]?[dxX]?")  # "", "d", "02d", "3", "x": bounded width, no fill
+
+
+def _check_host_format(where: Path, fmt: str, c: dict) -> None:
+    """Host name patterns go into SLURM host files: one printable token, distinct per host."""
+    field = "cluster.host_format"
+    if not fmt or any(ch.isspace() or not ch.isprintable() for ch in fmt):
+        raise _fail(where, field, "expected a non-empty pattern without spaces or control characters")
     try:
-        fmt.format(domain=0, tray=0, host=0)
-    except (KeyError, IndexError, ValueError) as exc:
-        raise _fail(where, "cluster.host_format", f"bad pattern: {exc}") from None
+        parts = list(string.Formatter().parse(fmt))
+    except ValueError as exc:
+        raise _fail(where, field, f"bad pattern: {exc}") from None
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name not in _HOST_FIELDS:
+            raise _fail(where, field, f"unknown field {{{name}}} (expected {{domain}}, {{tray}} or {{host}})")
+        if conversion is not None or not _HOST_SPEC.fullmatch(spec or ""):
+            raise _fail(where, field, f"format of {{{name}}} must look like 02d, found {spec!r}")
+    trays = c["trays_per_domain"]
+    seen: dict[str, int] = {}
+    for host in range(c["num_domains"] * trays):
+        name = fmt.format(domain=host // trays, tray=host % trays, host=host)
+        if name in seen:
+            raise _fail(where, field, f"hosts {seen[name]} and {host} get the same name {name!r}")
+        seen[name] = host
 
 
 def _resolve_npz(where: Path, rel: str) -> Path:
+    if not rel or "\0" in rel:
+        raise _fail(where, "routing.file", f"expected a file name, found {rel!r}")
     if os.path.isabs(rel):
         raise _fail(where, "routing.file", "expected a path relative to the instance's folder")
-    base = where.resolve().parent
-    target = (base / rel).resolve()
+    try:
+        base = where.resolve().parent
+        target = (base / rel).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long
+        raise _fail(where, "routing.file", f"cannot resolve {rel!r}: {exc}") from None
     if base != target and base not in target.parents:
         raise _fail(where, "routing.file", f"path {rel!r} escapes the instance's folder")
     return target
 
 
-def _load_npz(where: Path, npz_path: Path) -> tuple[dict[str, np.ndarray], bytes]:
+_NPZ_MEMBERS = {"topk.npy": "topk", "heldout_topk.npy": "heldout_topk"}
+
+
+def _load_npz(where: Path, npz_path: Path, doc: dict) -> tuple[dict[str, np.ndarray], bytes]:
+    """The routing arrays of ``npz_path``, each header checked before its data is read.
+
+    Only the two expected members are accepted; a member's dtype, shape and size are checked
+    against the instance from its ``.npy`` header, so a compressed "zip bomb" or a shape like
+    ``(10**9, ...)`` is refused before anything is allocated, and object (pickled) arrays are
+    refused without being unpickled.
+    """
+    label = f"{where}: routing.file: {npz_path.name}"
+    raw = _read_input_file(npz_path, ".npz", MAX_NPZ_BYTES, label)
+    arrays: dict[str, np.ndarray] = {}
     try:
-        raw = npz_path.read_bytes()
-    except OSError:
-        raise _fail(where, "routing.file", f"cannot read {npz_path.name}") from None
-    try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except ValueError as exc:
-        if "pickle" in str(exc).lower():
-            raise _fail(where, "routing.file", "the .npz holds pickled objects, which are refused") from None
-        raise _fail(where, "routing.file", f"not a readable .npz: {exc}") from None
-    except (OSError, zipfile.BadZipFile, EOFError, KeyError) as exc:
-        raise _fail(where, "routing.file", f"not a readable .npz (truncated or corrupt): {exc}") from None
+        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+            names = zf.namelist()
+            for name in names:
+                if name not in _NPZ_MEMBERS:
+                    raise _fail(
+                        where, "routing.file", f"unexpected array {name!r} in {npz_path.name} (expected topk, heldout_topk)"
+                    )
+            if len(set(names)) != len(names):
+                raise _fail(where, "routing.file", f"{npz_path.name} holds an array twice")
+            for member, key in _NPZ_MEMBERS.items():
+                if member not in names:
+                    raise _fail(where, f"routing.{key}", f"missing array in {npz_path.name}")
+                arrays[key] = _read_npy_member(where, zf, member, key, doc)
+    except (InvalidInputError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parser failure on untrusted bytes is bad input
+        raise _fail(
+            where, "routing.file", f"not a readable .npz (truncated or corrupt): {type(exc).__name__}: {exc}"
+        ) from None
     return arrays, raw
 
 
-def _check_topk(where: Path, field: str, a: np.ndarray, doc: dict) -> np.ndarray:
+def _read_npy_member(where: Path, zf: zipfile.ZipFile, member: str, key: str, doc: dict) -> np.ndarray:
+    fmt = np.lib.format
+    with zf.open(member) as fh:
+        version = fmt.read_magic(fh)
+        if version == (1, 0):
+            shape, fortran_order, dtype = fmt.read_array_header_1_0(fh)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = fmt.read_array_header_2_0(fh)
+        else:
+            raise _fail(where, "routing.file", f"array {key}: unsupported .npy format version {version}")
+        if dtype.hasobject:
+            raise _fail(where, "routing.file", f"array {key} holds pickled objects, which are refused")
+        _check_topk_header(where, key, tuple(shape), dtype, doc)
+        count = math.prod(shape)
+        if count > MAX_ROUTING_IDS:
+            raise _fail(where, f"routing.{key}", f"{count:,} expert ids exceed the limit of {MAX_ROUTING_IDS:,}")
+        nbytes = count * dtype.itemsize
+        data = fh.read(nbytes)
+        if len(data) != nbytes:
+            raise _fail(where, f"routing.{key}", f"truncated: {len(data)} of {nbytes} data bytes")
+        if fh.read(1):  # also makes zipfile verify the member's CRC
+            raise _fail(where, f"routing.{key}", "trailing bytes after the array data")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran_order else "C")
+
+
+def _check_topk_header(where: Path, field: str, shape: tuple[int, ...], dtype: np.dtype, doc: dict) -> None:
     m, p = doc["model"], doc["parallel"]
     want = (len(m["moe_layers"]), p["dp"], None, m["top_k"])
-    if a.dtype.kind not in "iu":
-        raise _fail(where, f"routing.{field}", f"expected an integer array, found dtype {a.dtype}")
-    if a.ndim != 4 or a.shape[0] != want[0] or a.shape[1] != want[1] or a.shape[3] != want[3] or a.shape[2] < 1:
+    if dtype.kind not in "iu" or dtype.itemsize > 8:
+        raise _fail(where, f"routing.{field}", f"expected an integer array, found dtype {dtype}")
+    if len(shape) != 4 or shape[0] != want[0] or shape[1] != want[1] or shape[3] != want[3] or shape[2] < 1:
         raise _fail(
             where,
             f"routing.{field}",
-            f"expected shape (num_moe_layers={want[0]}, dp={want[1]}, tokens>=1, top_k={want[3]}), found {a.shape}",
+            f"expected shape (num_moe_layers={want[0]}, dp={want[1]}, tokens>=1, top_k={want[3]}), found {shape}",
         )
+
+
+def _check_topk(where: Path, field: str, a: np.ndarray, doc: dict) -> np.ndarray:
+    m = doc["model"]
+    _check_topk_header(where, field, a.shape, a.dtype, doc)
     E = m["num_experts"]
     if a.size and (a.min() < 0 or a.max() >= E):
         raise _fail(where, f"routing.{field}", f"expert ids must lie in [0, {E}), found {int(a.min())}..{int(a.max())}")
@@ -362,13 +525,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
     validate(doc, INSTANCE_SPEC, str(where))
     _check_instance_semantics(doc, where)
     npz_path = _resolve_npz(where, doc["routing"]["file"])
-    arrays, npz_raw = _load_npz(where, npz_path)
-    for key in arrays:
-        if key not in ("topk", "heldout_topk"):
-            raise _fail(where, "routing.file", f"unexpected array {key!r} in {npz_path.name} (expected topk, heldout_topk)")
-    for key in ("topk", "heldout_topk"):
-        if key not in arrays:
-            raise _fail(where, f"routing.{key}", f"missing array in {npz_path.name}")
+    arrays, npz_raw = _load_npz(where, npz_path, doc)
     topk = _check_topk(where, "topk", arrays["topk"], doc)
     held = _check_topk(where, "heldout_topk", arrays["heldout_topk"], doc)
 
@@ -431,7 +588,8 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
     m, p, c = instance.model, instance.parallel, instance.cluster
     unavailable = [int(g) for g in np.flatnonzero(~c.available)]
     # Express whole unavailable trays as trays, the rest as GPUs.
-    trays, gpus = [], []
+    trays: list[list[int]] = []
+    gpus: list[int] = []
     gpt = c.gpus_per_tray
     for h in sorted({g // gpt for g in unavailable}):
         members = [h * gpt + i for i in range(gpt)]
@@ -578,7 +736,9 @@ def read_placement(path: str | os.PathLike) -> tuple[Placement, dict]:
     rows = doc["phy2log"]
     if rows and len({len(r) for r in rows}) != 1:
         raise _fail(where, "phy2log", "expected every layer's map to have the same length")
-    return Placement(np.array(doc["rank2gpu"], dtype=np.int64), np.array(rows, dtype=np.int64).reshape(len(rows), -1)), doc
+    width = len(rows[0]) if rows else 0
+    phy2log = np.array(rows, dtype=np.int64).reshape(len(rows), width)
+    return Placement(np.array(doc["rank2gpu"], dtype=np.int64).reshape(-1), phy2log), doc
 
 
 if __name__ == "__main__":  # python -m placement.formats: regenerate the published JSON Schemas

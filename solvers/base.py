@@ -4,18 +4,38 @@ A solver is a callable ``solve(instance, options) -> SolveResult``.  It receives
 solver view (:meth:`placement.model.Instance.for_solver`: no held-out window), must honour
 ``options.deadline`` (a ``time.monotonic()`` instant) and return the best placement it has by then.
 It never prints: progress goes to ``options.progress`` when given, logs to the ``logging`` module.
+
+Stopping early: a solver polls ``options.should_stop()`` (true once the deadline has passed or the
+caller has set ``options.stop_event``, e.g. on SIGINT/SIGTERM) between units of work and then
+returns the best complete placement it has.  Code that blocks in C (CP-SAT's ``solve``) wraps the
+call in ``with call_on_stop(options, solver.stop_search):`` so that a stop request interrupts it.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Callable, Iterator, Literal, Protocol
 
 from placement.model import Instance, Placement
 
-__all__ = ["Consumer", "CONSUMERS", "Objective", "OBJECTIVES", "LayoutMode", "LAYOUT_MODES", "SolveOptions", "SolveResult", "Solver"]
+__all__ = [
+    "Consumer",
+    "CONSUMERS",
+    "Objective",
+    "OBJECTIVES",
+    "LayoutMode",
+    "LAYOUT_MODES",
+    "SolveOptions",
+    "SolveResult",
+    "Solver",
+    "default_workers",
+    "call_on_stop",
+]
 
 Consumer = Literal["none", "deepep", "hybridep"]
 CONSUMERS: tuple[Consumer, ...] = ("none", "deepep", "hybridep")
@@ -25,11 +45,25 @@ LayoutMode = Literal["optimize", "fixed"]
 LAYOUT_MODES: tuple[LayoutMode, ...] = ("optimize", "fixed")
 
 
-def default_workers() -> int:
+def _cgroup_cpu_limit() -> int | None:
+    """CPUs allowed by a cgroup v2 quota (``cpu.max``: ``quota period``), or None if unlimited."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
+
+
+def default_workers() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (containers)."""
+    try:
+        cores = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not on Linux
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    limit = _cgroup_cpu_limit()
+    return cores if limit is None else min(cores, limit)
 
 
 @dataclass(frozen=True)
@@ -48,6 +82,8 @@ class SolveOptions:
         launcher decides where ranks run, as for SGLang or vLLM serving).
     deadline : ``time.monotonic()`` instant by which the solver returns; derived if not given.
     progress : called with one-line progress messages (the CLI prints them on a terminal).
+    stop_event : set by the caller to ask for the best placement found so far now (the CLI sets
+        it on SIGINT/SIGTERM); solvers poll :meth:`should_stop`, which also covers the deadline.
     """
 
     time_limit_s: float = 60.0
@@ -59,9 +95,24 @@ class SolveOptions:
     layout: LayoutMode = "optimize"
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
+    stop_event: threading.Event | None = field(default=None, compare=False)
 
     def resolved_deadline(self) -> float:
         return self.deadline if self.deadline is not None else time.monotonic() + self.time_limit_s
+
+    def stop_requested(self) -> bool:
+        """True once the caller has set :attr:`stop_event` (a signal, a scheduler's cancel)."""
+        return self.stop_event is not None and self.stop_event.is_set()
+
+    def should_stop(self) -> bool:
+        """True when the solver must return its best placement now: deadline passed or stop asked."""
+        return self.stop_requested() or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def time_left_s(self) -> float:
+        """Seconds until the deadline (0 once a stop was requested), never negative."""
+        if self.stop_requested():
+            return 0.0
+        return max(0.0, self.resolved_deadline() - time.monotonic())
 
     def group_preserving_for(self, instance: Instance) -> bool:
         if self.group_preserving is None:
@@ -105,6 +156,36 @@ class SolveResult:
         if self.objective_bytes <= 0:
             return 0.0
         return max(0.0, (self.objective_bytes - self.bound_bytes) / self.objective_bytes)
+
+
+@contextmanager
+def call_on_stop(options: SolveOptions, stop: Callable[[], None], poll_s: float = 0.05) -> Iterator[None]:
+    """Call ``stop()`` once from a helper thread if a stop is requested while the block runs.
+
+    For solver code that blocks in C and cannot poll (``CpSolver.solve``: pass
+    ``solver.stop_search``).  The deadline itself is the solver's own time limit; this only relays
+    :attr:`SolveOptions.stop_event`.
+    """
+    if options.stop_event is None:
+        yield
+        return
+    done = threading.Event()
+    event = options.stop_event
+
+    def watch() -> None:
+        while not done.is_set():
+            if event.wait(poll_s):
+                if not done.is_set():
+                    stop()
+                return
+
+    thread = threading.Thread(target=watch, name="placement-stop-relay", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 class Solver(Protocol):
