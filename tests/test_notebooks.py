@@ -49,22 +49,37 @@ def test_committed_notebook_shows_its_plots(path):
     assert not errors, f"{path.name}: committed with an error output"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path, tmp_path, monkeypatch):
-    work = tmp_path / "notebooks"
-    shutil.copytree(NOTEBOOK_DIR, work, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+def _execute(nb, workdir: Path, monkeypatch) -> None:
+    """Run ``nb`` headless in ``workdir``; raises ``CellExecutionError`` when a cell raises."""
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("PLACEMENT_FIGURES_DIR", str(tmp_path / "figures"))
+    monkeypatch.setenv("PLACEMENT_FIGURES_DIR", str(workdir.parent / "figures"))
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
-    nb = nbformat.read(work / path.name, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
     client = nbclient.NotebookClient(
-        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(work)}}
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
     )
-    client.execute()  # raises CellExecutionError when a cell raises
+    client.execute()
+
+
+def test_a_raising_notebook_fails(tmp_path, monkeypatch):
+    """The harness itself: a cell that raises must fail the run, later cells must not hide it."""
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("raise ValueError('boom')"),
+               nbformat.v4.new_code_cell("y = 2")]
+    )
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="boom"):
+        _execute(nb, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(path, tmp_path, monkeypatch):
+    work = tmp_path / "notebooks"
+    shutil.copytree(NOTEBOOK_DIR, work, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    nb = nbformat.read(work / path.name, as_version=4)
+    _execute(nb, work, monkeypatch)
     assert _has_image(nb), f"{path.name}: produced no plot"
     stderr = "".join(o.get("text", "") for o in _outputs(nb) if o.get("name") == "stderr")
     assert "Warning" not in stderr, f"{path.name}: warnings on stderr:\n{stderr}"
