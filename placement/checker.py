@@ -12,7 +12,14 @@ import numpy as np
 
 from placement.model import Instance, InvalidInputError, Placement
 
-__all__ = ["check", "check_or_raise", "violates_group_preservation", "deepep_violations"]
+__all__ = [
+    "check",
+    "check_or_raise",
+    "violates_group_preservation",
+    "group_breaks",
+    "deepep_violations",
+    "tp_group_violations",
+]
 
 
 def check(instance: Instance, placement: Placement) -> list[str]:
@@ -68,10 +75,33 @@ def violates_group_preservation(instance: Instance, placement: Placement) -> lis
     inside their group).
     """
     m = instance.model
-    size = m.num_experts // m.num_groups
+    return group_breaks(placement.phy2log, m.num_experts, m.num_groups)
+
+
+def group_breaks(phy2log, num_experts: int, num_groups: int) -> list[str]:
+    """Per layer, the first physical block of ``num_experts / num_groups`` slots that mixes groups.
+
+    Parameters
+    ----------
+    phy2log : array-like, (num_layers, num_experts)
+        Logical expert id of each physical slot.
+    num_experts, num_groups : int
+        Logical expert ``e`` belongs to group ``e // (num_experts // num_groups)``.
+
+    Returns
+    -------
+    list of str
+        One message per layer that breaks a group (empty: every layer is group-preserving).
+
+    Examples
+    --------
+    >>> group_breaks([[2, 3, 0, 1], [0, 2, 1, 3]], 4, 2)
+    ['phy2log[1]: slots 0..1 mix expert groups [0, 1]']
+    """
+    size = num_experts // num_groups
     out = []
-    for li, row in enumerate(np.asarray(placement.phy2log)):
-        for b in range(m.num_groups):
+    for li, row in enumerate(np.asarray(phy2log)):
+        for b in range(num_groups):
             block = {int(e) // size for e in row[b * size : (b + 1) * size]}
             if len(block) != 1:
                 out.append(f"phy2log[{li}]: slots {b * size}..{(b + 1) * size - 1} mix expert groups {sorted(block)}")
@@ -104,3 +134,51 @@ def deepep_violations(instance: Instance, placement: Placement) -> list[str]:
                 )
     return out
 
+
+
+def tp_group_violations(instance: Instance, placement: Placement) -> list[str]:
+    """Tensor- and context-parallel groups placed where their traffic cannot go.
+
+    The rule (docs/formats.md, "Rank layout rules"):
+
+    - ``tp > 1``: each TP group (the ``tp`` ranks that share ``cp``, ``dp`` and ``pp``) lies inside
+      one NVLink domain (its all-reduces sit on every layer's critical path and must never cross
+      the scale-out fabric) and, when ``tp`` divides ``gpus_per_tray``, inside one tray (one host:
+      the launcher's convention, NCCL without multi-node NVLink, one host failure per TP group).
+    - ``cp > 1``: each TP x CP group (the ``tp * cp`` ranks that share ``dp`` and ``pp``) lies inside
+      one NVLink domain.
+    """
+    par, cl = instance.parallel, instance.cluster
+    if par.tp == 1 and par.cp == 1:
+        return []
+    r2g = [int(x) for x in np.asarray(placement.rank2gpu).reshape(-1)]
+    if len(r2g) != par.world_size or any(not 0 <= g < cl.num_gpus for g in r2g):
+        return []  # check() reports these; the groups are not defined
+    coords = par.rank_coords
+    out: list[str] = []
+
+    def groups(keys: tuple[str, ...]) -> dict[tuple[int, ...], list[int]]:
+        found: dict[tuple[int, ...], list[int]] = {}
+        for r in range(par.world_size):
+            found.setdefault(tuple(int(coords[k][r]) for k in keys), []).append(r)
+        return found
+
+    if par.tp > 1:
+        same_tray = cl.gpus_per_tray % par.tp == 0
+        for key, ranks in sorted(groups(("cp", "dp", "pp")).items()):
+            doms = sorted({int(cl.gpu2domain[r2g[r]]) for r in ranks})
+            hosts = sorted({int(cl.gpu2host[r2g[r]]) for r in ranks})
+            where = f"TP group of ranks {ranks} (cp={key[0]}, dp={key[1]}, pp={key[2]})"
+            if len(doms) > 1:
+                out.append(f"{where}: spans NVLink domains {doms} (a TP group must stay inside one domain)")
+            elif same_tray and len(hosts) > 1:
+                out.append(f"{where}: spans trays (hosts) {hosts} (tp={par.tp} divides {cl.gpus_per_tray} GPUs per tray: one tray required)")
+    if par.cp > 1:
+        for key, ranks in sorted(groups(("dp", "pp")).items()):
+            doms = sorted({int(cl.gpu2domain[r2g[r]]) for r in ranks})
+            if len(doms) > 1:
+                out.append(
+                    f"TP x CP group of ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} (dp={key[0]}, pp={key[1]}): "
+                    f"spans NVLink domains {doms} (must stay inside one domain)"
+                )
+    return out

@@ -201,6 +201,30 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     return EXIT_OK
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from placement.export import export_file
+
+    text = export_file(args.format, args.placement, args.output, args.instance)
+    print(f"wrote {args.output} ({args.format}, {len(text.encode()):,} bytes)")
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from placement.verify import verify_files
+
+    rep = verify_files(args.instance, args.placement)
+    if rep.violations:
+        n = len(rep.violations)
+        print(f"placement: verify: {n} violation{'s' if n != 1 else ''} in {args.placement}", file=sys.stderr)
+        for message in rep.violations:
+            print(message, file=sys.stderr)
+        return EXIT_INVALID
+    print(f"valid: {args.placement} for {args.instance} (checks: {', '.join(rep.checks)})")
+    for note in rep.notes:
+        print(f"  note: {note}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
     from placement.api import DEFAULT_SOLVER
@@ -228,6 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--layout", default="optimize", choices=LAYOUT_MODES,
                     help="optimize the rank -> GPU map, or keep the default one (fixed)")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    from placement.export import FORMATS
+
+    ex = sub.add_parser("export", help="write a placement in a format a training or serving stack reads")
+    ex.add_argument("placement", help="placement file")
+    ex.add_argument("--format", required=True, choices=FORMATS, help="target stack (docs/formats.md)")
+    ex.add_argument("-o", "--output", required=True, help="output file (written atomically)")
+    ex.add_argument("--instance", help="the instance file the placement was solved for (required except for vllm)")
+
+    ve = sub.add_parser("verify", help="check a placement file against its instance; exit 2 listing every violation")
+    ve.add_argument("instance", help="instance JSON file")
+    ve.add_argument("placement", help="placement file")
     return parser
 
 
@@ -274,6 +310,10 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
                 raise InvalidInputError(f"--time-limit: expected a positive number of seconds, found {args.time_limit}")
             with SignalStop() as stop:
                 return _cmd_solve(args, started_at, stop)
+        if args.command == "export":
+            return _cmd_export(args)
+        if args.command == "verify":
+            return _cmd_verify(args)
         raise InvalidInputError(f"unknown command {args.command!r}")  # pragma: no cover
     except PlacementError as exc:
         print(f"placement: error: {_one_line(str(exc))}", file=sys.stderr)

@@ -1,0 +1,517 @@
+"""Exporters: a placement in the files real stacks read, and a reader for each to parse it back.
+
+Every exporter takes the :class:`~placement.model.Instance` the placement was solved for and the
+:class:`~placement.model.Placement` (already passed through :func:`placement.checker.check`), and
+returns text; :func:`export_file` does the checks and writes the text atomically.  What each stack
+reads, and the source files that say so, is in ``docs/formats.md``.
+
+========== ================================================ =====================================
+format     what is written                                  consumed by
+========== ================================================ =====================================
+sglang     ``{"physical_to_logical_map": [L][P]}``, one row  ``--init-expert-location FILE.json``
+           per transformer layer (dense rows trivial)
+vllm       ``physical_to_logical_map (L, P)``,               vLLM EPLB state (no loader yet)
+           ``logical_to_physical_map (L, E, R+1)`` padded
+           with -1, ``logical_replica_count (L, E)``; L =
+           MoE layers
+megatron   per MoE layer the permutation ``phy2log``:       :mod:`placement.checkpoint` applied to
+torchtitan new expert slot ``p`` takes old expert              a Megatron-Core / TorchTitan state
+           ``phy2log[p]``                                   dict, offline
+slurm      one host name per line, line ``i`` = rank ``i``  ``SLURM_HOSTFILE`` with
+                                                            ``srun --distribution=arbitrary``
+hybridep   ``export NAME=VALUE`` lines                       DeepEP HybridEP / Megatron ``flex``
+========== ================================================ =====================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from placement.checker import check, deepep_violations, group_breaks
+from placement.formats import atomic_write_text, read_instance, read_placement
+from placement.model import InfeasibleError, Instance, InvalidInputError, Placement, PlacementError
+
+__all__ = [
+    "ExportFormat",
+    "FORMATS",
+    "PERMUTATION_DIRECTION",
+    "sglang_expert_location",
+    "parse_sglang_expert_location",
+    "vllm_eplb_maps",
+    "parse_vllm_eplb_maps",
+    "expert_permutation",
+    "parse_expert_permutation",
+    "slurm_hostfile_text",
+    "parse_slurm_hostfile",
+    "hybridep_ranks_per_domain",
+    "hybridep_env",
+    "hybridep_env_text",
+    "parse_env_text",
+    "export_text",
+    "load_for_export",
+    "export_file",
+]
+
+ExportFormat = Literal["sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep"]
+FORMATS: tuple[ExportFormat, ...] = ("sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep")
+# Formats that can be written from the placement file alone (no layer indices, hosts or domains).
+_WITHOUT_INSTANCE: frozenset[str] = frozenset({"vllm"})
+
+PERMUTATION_DIRECTION = (
+    "new expert slot p takes old expert layers[l][p]: W_new[p] = W_old[layers[l][p]] for the expert "
+    "weights, the router weight rows and the per-expert bias"
+)
+PERMUTATION_KIND = "placement.expert_permutation"
+PERMUTATION_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang
+# ---------------------------------------------------------------------------------------------
+def sglang_expert_location(instance: Instance, placement: Placement) -> dict:
+    """The document SGLang's ``--init-expert-location FILE.json`` reads.
+
+    SGLang passes the JSON object as keyword arguments to ``ExpertLocationMetadata.init_by_mapping``,
+    so it holds exactly one key.  Its map has one row per transformer layer (SGLang indexes it by
+    the decoder layer id, ``num_layers = config.num_hidden_layers``); rows of dense layers are never
+    read and hold the trivial map ``p % E``, as SGLang's own ``init_trivial`` does.
+
+    Returns
+    -------
+    dict
+        ``{"physical_to_logical_map": [[int]]}`` of shape (num_layers, P), ``P = num_experts``
+        (no redundant slots: launch with ``--ep-num-redundant-experts 0`` and ``--ep-size`` equal
+        to the instance's ``ep``; physical slot ``p`` is on EP rank ``p // (P / ep)``).
+    """
+    m = instance.model
+    p2l = np.asarray(placement.phy2log)
+    num_physical = p2l.shape[1]
+    rows = np.tile(np.arange(num_physical) % m.num_experts, (m.num_layers, 1))
+    rows[list(m.moe_layers)] = p2l
+    return {"physical_to_logical_map": rows.tolist()}
+
+
+def parse_sglang_expert_location(doc: dict | str, instance: Instance) -> np.ndarray:
+    """(num_moe_layers, P) ``phy2log`` back from an SGLang expert-location document.
+
+    Raises
+    ------
+    InvalidInputError
+        When the document is not what SGLang would accept for this model.
+    """
+    doc = _as_doc(doc, "sglang expert location")
+    if set(doc) != {"physical_to_logical_map"}:
+        raise InvalidInputError(
+            f"sglang: expected exactly the key physical_to_logical_map (SGLang passes the keys to "
+            f"init_by_mapping), found {sorted(doc)}"
+        )
+    m = instance.model
+    rows = _int_matrix(doc["physical_to_logical_map"], "sglang: physical_to_logical_map")
+    if rows.shape[0] != m.num_layers:
+        raise InvalidInputError(
+            f"sglang: physical_to_logical_map: expected {m.num_layers} rows (one per transformer "
+            f"layer), found {rows.shape[0]}"
+        )
+    if rows.size and (rows.min() < 0 or rows.max() >= m.num_experts):
+        raise InvalidInputError(f"sglang: physical_to_logical_map: expert ids must lie in [0, {m.num_experts})")
+    if rows.shape[1] % instance.parallel.ep:
+        raise InvalidInputError(
+            f"sglang: physical_to_logical_map: {rows.shape[1]} physical slots do not divide over ep={instance.parallel.ep}"
+        )
+    return rows[list(m.moe_layers)]
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM
+# ---------------------------------------------------------------------------------------------
+def vllm_eplb_maps(placement: Placement, instance: Instance | None = None) -> dict:
+    """vLLM's EPLB state for the placement (``vllm/distributed/eplb/eplb_state.py``).
+
+    Returns
+    -------
+    dict
+        ``physical_to_logical_map`` (L, P); ``logical_to_physical_map`` (L, E, R + 1), the physical
+        slots of each logical expert in ascending order, padded with -1; ``logical_replica_count``
+        (L, E); and ``meta``.  ``L`` counts MoE layers only (vLLM's ``num_moe_layers``), in model
+        order; ``R = P - E`` redundant slots.
+    """
+    p2l = np.asarray(placement.phy2log, dtype=np.int64)
+    num_layers, num_physical = p2l.shape
+    num_logical = instance.model.num_experts if instance is not None else num_physical
+    width = num_physical - num_logical + 1
+    log2phy = np.full((num_layers, num_logical, width), -1, dtype=np.int64)
+    count = np.zeros((num_layers, num_logical), dtype=np.int64)
+    for li in range(num_layers):
+        for p in range(num_physical):  # ascending physical ids, as vLLM builds it
+            e = int(p2l[li, p])
+            log2phy[li, e, count[li, e]] = p
+            count[li, e] += 1
+    meta: dict = {"num_redundant_experts": num_physical - num_logical, "num_physical_experts": num_physical}
+    if instance is not None:
+        meta.update(
+            instance={"name": instance.name, "sha256": instance.sha256},
+            moe_layers=list(instance.model.moe_layers),
+            ep=instance.parallel.ep,
+            num_local_physical_experts=num_physical // instance.parallel.ep,
+        )
+    return {
+        "physical_to_logical_map": p2l.tolist(),
+        "logical_to_physical_map": log2phy.tolist(),
+        "logical_replica_count": count.tolist(),
+        "meta": meta,
+    }
+
+
+def parse_vllm_eplb_maps(doc: dict | str) -> np.ndarray:
+    """(L, P) ``phy2log`` back from :func:`vllm_eplb_maps`, after checking the three maps agree."""
+    doc = _as_doc(doc, "vllm EPLB maps")
+    for key in ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count"):
+        if key not in doc:
+            raise InvalidInputError(f"vllm: missing {key}")
+    p2l = _int_matrix(doc["physical_to_logical_map"], "vllm: physical_to_logical_map")
+    log2phy = np.asarray(doc["logical_to_physical_map"], dtype=np.int64)
+    count = _int_matrix(doc["logical_replica_count"], "vllm: logical_replica_count")
+    num_layers, num_physical = p2l.shape
+    if log2phy.ndim != 3 or log2phy.shape[0] != num_layers or count.shape != log2phy.shape[:2]:
+        raise InvalidInputError(
+            f"vllm: shapes disagree: physical_to_logical_map {p2l.shape}, logical_to_physical_map "
+            f"{log2phy.shape}, logical_replica_count {count.shape}"
+        )
+    num_logical = log2phy.shape[1]
+    if log2phy.shape[2] != num_physical - num_logical + 1:
+        raise InvalidInputError(
+            f"vllm: logical_to_physical_map: expected {num_physical - num_logical + 1} columns "
+            f"(num_redundant_experts + 1), found {log2phy.shape[2]}"
+        )
+    for li in range(num_layers):
+        for e in range(num_logical):
+            slots = [int(p) for p in log2phy[li, e] if p != -1]
+            want = [p for p in range(num_physical) if p2l[li, p] == e]
+            if slots != want or count[li, e] != len(want):
+                raise InvalidInputError(
+                    f"vllm: layer {li} expert {e}: logical_to_physical_map {slots} / count {int(count[li, e])} "
+                    f"disagree with physical_to_logical_map (slots {want})"
+                )
+    return p2l
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core / TorchTitan checkpoint permutation
+# ---------------------------------------------------------------------------------------------
+def expert_permutation(instance: Instance, placement: Placement, stack: Literal["megatron", "torchtitan"]) -> dict:
+    """Per MoE layer the permutation to apply offline to a ``stack`` checkpoint.
+
+    Neither Megatron-Core nor TorchTitan reads an expert map: expert ``j`` always lives on EP rank
+    ``j // (E / ep)``.  So the placement is realised by renumbering experts in the checkpoint:
+    new expert ``p`` takes old expert ``layers[l][p]`` (``phy2log``), for the expert weights, the
+    router weight rows and the per-expert bias together (:mod:`placement.checkpoint`).
+
+    Raises
+    ------
+    InfeasibleError
+        When the model uses group-limited routing and a layer's permutation moves an expert to
+        another group (that would change which experts a token may reach).
+    """
+    from placement.checkpoint import PARAMETER_NAMES
+
+    m = instance.model
+    p2l = np.asarray(placement.phy2log, dtype=np.int64)
+    breaks = group_breaks(p2l, m.num_experts, m.num_groups)
+    if m.group_limited and breaks:
+        raise InfeasibleError(
+            f"{stack}: the model routes within {m.groups_per_token} of {m.num_groups} expert groups, so a "
+            f"checkpoint permutation must keep groups whole, but {len(breaks)} MoE layer(s) break them "
+            f"(first: {breaks[0]}); solve with --group-preserving on"
+        )
+    return {
+        "kind": PERMUTATION_KIND,
+        "version": PERMUTATION_VERSION,
+        "stack": stack,
+        "direction": PERMUTATION_DIRECTION,
+        "instance": {"name": instance.name, "sha256": instance.sha256},
+        "num_layers": m.num_layers,
+        "num_experts": m.num_experts,
+        "num_groups": m.num_groups,
+        "groups_per_token": m.groups_per_token,
+        "group_limited": m.group_limited,
+        "group_preserving": not breaks,
+        "ep": instance.parallel.ep,
+        "experts_per_rank": instance.experts_per_rank,
+        "parameter_names": {k: PARAMETER_NAMES[stack][k] for k in ("router_weight", "rows", "experts")},
+        "layers": {str(layer): [int(x) for x in row] for layer, row in zip(m.moe_layers, p2l)},
+    }
+
+
+def parse_expert_permutation(doc: dict | str) -> tuple[dict[int, np.ndarray], dict]:
+    """``({layer index: (E,) phy2log}, document)`` back from :func:`expert_permutation`.
+
+    Raises
+    ------
+    InvalidInputError
+        When the document is not a permutation file or a layer's row is not a permutation.
+    """
+    doc = _as_doc(doc, "expert permutation")
+    if doc.get("kind") != PERMUTATION_KIND or doc.get("version") != PERMUTATION_VERSION:
+        raise InvalidInputError(
+            f"permutation: expected kind {PERMUTATION_KIND!r} version {PERMUTATION_VERSION}, "
+            f"found {doc.get('kind')!r} version {doc.get('version')!r}"
+        )
+    raw = doc.get("layers")
+    if not isinstance(raw, dict) or not raw:
+        raise InvalidInputError("permutation: layers: expected an object of layer index -> permutation")
+    num_experts = doc.get("num_experts")
+    layers: dict[int, np.ndarray] = {}
+    for key, row in raw.items():
+        if not re.fullmatch(r"\d+", key):
+            raise InvalidInputError(f"permutation: layers: key {key!r} is not a layer index")
+        perm = np.asarray(row, dtype=np.int64)
+        if perm.ndim != 1 or (num_experts is not None and perm.size != num_experts):
+            raise InvalidInputError(f"permutation: layers.{key}: expected {num_experts} expert ids, found shape {perm.shape}")
+        if sorted(perm.tolist()) != list(range(perm.size)):
+            raise InvalidInputError(f"permutation: layers.{key}: not a permutation of 0..{perm.size - 1}")
+        layers[int(key)] = perm
+    return dict(sorted(layers.items())), doc
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm
+# ---------------------------------------------------------------------------------------------
+def slurm_hostfile_text(instance: Instance, placement: Placement) -> str:
+    """The ``SLURM_HOSTFILE`` for the placement's rank -> GPU map (from :mod:`placement.hostfile`)."""
+    try:
+        from placement.hostfile import slurm_hostfile
+    except ImportError:  # pragma: no cover - the module is written alongside this one
+        raise PlacementError("slurm: placement.hostfile is not available in this installation") from None
+    return slurm_hostfile(instance, np.asarray(placement.rank2gpu))
+
+
+def parse_slurm_hostfile(text: str) -> list[str]:
+    """Host name of each rank, in rank order (blank lines and ``#`` comments skipped)."""
+    hosts = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            hosts.append(line)
+    return hosts
+
+
+# ---------------------------------------------------------------------------------------------
+# HybridEP / DeepEP
+# ---------------------------------------------------------------------------------------------
+def hybridep_ranks_per_domain(instance: Instance, placement: Placement) -> int:
+    """The one ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` every EP group of the layout obeys.
+
+    HybridEP numbers the ranks of an EP group ``local = rank % n``, ``node = rank // n``: each
+    run of ``n`` consecutive EP ranks must sit in one NVLink domain, a different domain per run.
+
+    Raises
+    ------
+    InfeasibleError
+        When an EP group breaks the equal-slices rule, or the groups need different ``n`` (the
+        variable is one value per job).
+    """
+    bad = deepep_violations(instance, placement)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise InfeasibleError(f"hybridep: {bad[0]}{more}")
+    cl, par = instance.cluster, instance.parallel
+    sizes: dict[int, list[str]] = {}
+    for s in range(par.pp):
+        for gi, ranks in enumerate(par.stage_ep_groups[s]):
+            n_domains = len({int(cl.gpu2domain[int(placement.rank2gpu[r])]) for r in ranks})
+            sizes.setdefault(par.ep // n_domains, []).append(f"stage {s} group {gi}")
+    if len(sizes) > 1:
+        desc = "; ".join(f"{n} ranks per domain: {', '.join(g[:3])}{'...' if len(g) > 3 else ''}" for n, g in sorted(sizes.items()))
+        raise InfeasibleError(
+            f"hybridep: EP groups need different NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN values ({desc}); "
+            "the variable is one value per job"
+        )
+    return next(iter(sizes))
+
+
+def hybridep_env(instance: Instance, placement: Placement) -> dict[str, str]:
+    """The environment variables HybridEP reads for this layout.
+
+    ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` (current DeepEP and Megatron-Core), ``USE_MNNVL``
+    (1 when an NVLink domain spans several trays: fabric memory handles), ``NVLINK_DOMAIN_SIZE``
+    (GPUs per NVLink domain, read by earlier HybridEP versions).
+    """
+    n = hybridep_ranks_per_domain(instance, placement)
+    cl = instance.cluster
+    return {
+        "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": str(n),
+        "USE_MNNVL": "1" if cl.trays_per_domain > 1 else "0",
+        "NVLINK_DOMAIN_SIZE": str(cl.gpus_per_domain),
+    }
+
+
+def hybridep_env_text(instance: Instance, placement: Placement) -> str:
+    """:func:`hybridep_env` as a file to ``source`` before the launch."""
+    env = hybridep_env(instance, placement)
+    n = int(env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
+    lines = [
+        f"# HybridEP layout for instance {instance.name} (sha256 {instance.sha256[:16]}...), written by placement export",
+        f"# every EP group (ep={instance.parallel.ep}) holds {n} consecutive EP ranks in each of "
+        f"{instance.parallel.ep // n} NVLink domain(s)",
+    ]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def parse_env_text(text: str) -> dict[str, str]:
+    """``NAME=VALUE`` pairs from lines ``export NAME=VALUE`` (comments and blank lines skipped)."""
+    env: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", line)
+        if not m:
+            raise InvalidInputError(f"env: line {n}: expected 'export NAME=VALUE', found {line!r}")
+        try:
+            words = shlex.split(m.group(2))
+        except ValueError as exc:
+            raise InvalidInputError(f"env: line {n}: {exc}") from None
+        if len(words) > 1:
+            raise InvalidInputError(f"env: line {n}: expected one value for {m.group(1)}, found {len(words)}")
+        env[m.group(1)] = words[0] if words else ""
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+def export_text(fmt: str, placement: Placement, instance: Instance | None) -> str:
+    """The file contents of ``fmt`` for a placement already checked against ``instance``."""
+    if fmt not in FORMATS:
+        raise InvalidInputError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
+    if instance is None:
+        if fmt not in _WITHOUT_INSTANCE:
+            raise InvalidInputError(f"--instance: format {fmt} needs the instance (layer indices, hosts, domains)")
+        return _json_text(vllm_eplb_maps(placement))
+    if fmt == "sglang":
+        return _json_text(sglang_expert_location(instance, placement))
+    if fmt == "vllm":
+        return _json_text(vllm_eplb_maps(placement, instance))
+    if fmt in ("megatron", "torchtitan"):
+        return _json_text(expert_permutation(instance, placement, fmt))  # type: ignore[arg-type]
+    if fmt == "slurm":
+        return slurm_hostfile_text(instance, placement)
+    return hybridep_env_text(instance, placement)
+
+
+def load_for_export(
+    placement_path: str | os.PathLike, instance_path: str | os.PathLike | None
+) -> tuple[Instance | None, Placement, dict]:
+    """Read the placement (and instance), check they belong together and that it is valid.
+
+    Raises
+    ------
+    InvalidInputError
+        On an unreadable file, an instance whose SHA-256 differs from the one the placement names,
+        or a placement the checker rejects.
+    """
+    placement, doc = read_placement(placement_path)
+    if instance_path is None:
+        return None, placement, doc
+    instance = read_instance(instance_path)
+    named = doc["instance"]
+    if named["sha256"] != instance.sha256:
+        raise InvalidInputError(
+            f"{placement_path}: instance.sha256: the placement was made for instance {named['name']!r} "
+            f"(sha256 {named['sha256'][:16]}...), but {instance_path} is {instance.name!r} "
+            f"(sha256 {instance.sha256[:16]}...): export it against the instance it was solved for"
+        )
+    problems = check(instance, placement)
+    if problems:
+        more = f" (and {len(problems) - 1} more; run placement verify)" if len(problems) > 1 else ""
+        raise InvalidInputError(f"{placement_path}: {problems[0]}{more}")
+    return instance, placement, doc
+
+
+def export_file(
+    fmt: str,
+    placement_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    instance_path: str | os.PathLike | None = None,
+) -> str:
+    """Check, convert and atomically write ``placement_path`` as ``fmt`` to ``output_path``.
+
+    Returns the text written.  Raises ``InvalidInputError`` (exit 2) or ``InfeasibleError``
+    (exit 3: the stack cannot take this placement).
+    """
+    if fmt not in FORMATS:
+        raise InvalidInputError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
+    if instance_path is None and fmt not in _WITHOUT_INSTANCE:
+        try:
+            _, doc = read_placement(placement_path)
+            hint = f" (the placement names instance {doc['instance']['name']!r})"
+        except PlacementError:
+            hint = ""
+        raise InvalidInputError(f"--instance: format {fmt} needs the instance file{hint}")
+    instance, placement, _ = load_for_export(placement_path, instance_path)
+    text = export_text(fmt, placement, instance)
+    out = Path(output_path)
+    if out.is_dir():
+        raise InvalidInputError(f"-o: {out} is a directory")
+    if not out.parent.exists():
+        raise InvalidInputError(f"-o: folder {out.parent} does not exist")
+    atomic_write_text(out, text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+def _json_text(doc: dict) -> str:
+    # One line per innermost list keeps large maps readable and diffable.
+    return _compact(doc) + "\n"
+
+
+def _compact(value, indent: int = 0) -> str:
+    """JSON with scalars and short rows inline: one line per layer of a map, per key of an object."""
+    pad = " " * indent
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        items = [f"{pad} {json.dumps(str(k))}: {_compact(v, indent + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if _inline(value):
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    items = [pad + " " + _compact(v, indent + 1) for v in value]
+    return "[\n" + ",\n".join(items) + "\n" + pad + "]"
+
+
+def _inline(value) -> bool:
+    """Scalars, flat lists, and lists of short flat lists (e.g. vLLM's (E, R + 1) per layer)."""
+    if not isinstance(value, list):
+        return not isinstance(value, dict)
+    if all(not isinstance(v, (list, dict)) for v in value):
+        return len(value) <= 1 or not any(isinstance(v, str) for v in value)
+    return all(isinstance(v, list) and len(v) <= 4 and all(not isinstance(x, (list, dict)) for x in v) for v in value)
+
+
+def _as_doc(doc: dict | str, what: str) -> dict:
+    if isinstance(doc, str):
+        try:
+            doc = json.loads(doc)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError(f"{what}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInputError(f"{what}: expected a JSON object, found {type(doc).__name__}")
+    return doc
+
+
+def _int_matrix(rows, where: str) -> np.ndarray:
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
+        raise InvalidInputError(f"{where}: expected a non-empty list of rows")
+    if len({len(r) for r in rows}) != 1:
+        raise InvalidInputError(f"{where}: rows have different lengths")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for r in rows for x in r):
+        raise InvalidInputError(f"{where}: expected integers")
+    return np.asarray(rows, dtype=np.int64)

@@ -1,0 +1,305 @@
+"""Exporters: every format round-trips, refusals are refusals, the CLI writes what the API returns."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement import export as ex
+from placement.cli import main
+from placement.formats import placement_document, read_instance, write_instance, write_placement
+from placement.model import InfeasibleError, InvalidInputError, Placement
+from solvers.default import default_placement, default_rank2gpu
+from tests.conftest import INSTANCES, random_instance
+
+
+def group_preserving_perm(rng: np.random.Generator, num_experts: int, num_groups: int) -> np.ndarray:
+    """A random permutation that moves whole groups among group positions and shuffles inside them."""
+    size = num_experts // num_groups
+    return np.concatenate([g * size + rng.permutation(size) for g in rng.permutation(num_groups)])
+
+
+def random_expert_map(rng, inst, preserving: bool) -> np.ndarray:
+    m = inst.model
+    rows = [
+        group_preserving_perm(rng, m.num_experts, m.num_groups) if preserving else rng.permutation(m.num_experts)
+        for _ in range(m.num_moe_layers)
+    ]
+    return np.stack(rows)
+
+
+def write_pair(tmp_path, inst, placement: Placement, **doc_kw):
+    """Write ``inst`` and ``placement`` as files; return (instance path, placement path, instance read back)."""
+    ipath = tmp_path / "inst.json"
+    write_instance(inst, ipath)
+    inst = read_instance(ipath)
+    ppath = tmp_path / "p.json"
+    write_placement(ppath, placement_document(inst, placement, solver="test", **doc_kw))
+    return ipath, ppath, inst
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang
+# ---------------------------------------------------------------------------------------------
+def test_sglang_round_trip_and_shape(tiny):
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        p = Placement(default_rank2gpu(tiny), random_expert_map(rng, tiny, preserving=False))
+        text = ex.export_text("sglang", p, tiny)
+        doc = json.loads(text)
+        # exactly one key: SGLang calls init_by_mapping(server_args, model_config, **doc)
+        assert list(doc) == ["physical_to_logical_map"]
+        rows = np.array(doc["physical_to_logical_map"])
+        assert rows.shape == (tiny.model.num_layers, tiny.model.num_experts)  # all layers, dense included
+        dense = [i for i in range(tiny.model.num_layers) if i not in tiny.model.moe_layers]
+        assert dense and all((rows[i] == np.arange(tiny.model.num_experts)).all() for i in dense)
+        np.testing.assert_array_equal(ex.parse_sglang_expert_location(text, tiny), p.phy2log)
+
+
+def test_sglang_reader_rejects_what_sglang_would_not_take(tiny):
+    p = default_placement(tiny)
+    doc = ex.sglang_expert_location(tiny, p)
+    with pytest.raises(InvalidInputError, match="exactly the key"):
+        ex.parse_sglang_expert_location({**doc, "meta": {}}, tiny)
+    with pytest.raises(InvalidInputError, match="one per transformer layer"):
+        ex.parse_sglang_expert_location({"physical_to_logical_map": doc["physical_to_logical_map"][1:]}, tiny)
+    bad = [row[:] for row in doc["physical_to_logical_map"]]
+    bad[1][0] = tiny.model.num_experts
+    with pytest.raises(InvalidInputError, match="expert ids"):
+        ex.parse_sglang_expert_location({"physical_to_logical_map": bad}, tiny)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM
+# ---------------------------------------------------------------------------------------------
+def test_vllm_maps_match_a_brute_force_inverse(tiny):
+    rng = np.random.default_rng(2)
+    p = Placement(default_rank2gpu(tiny), random_expert_map(rng, tiny, preserving=False))
+    doc = json.loads(ex.export_text("vllm", p, tiny))
+    L, E = p.phy2log.shape
+    log2phy = np.array(doc["logical_to_physical_map"])
+    assert log2phy.shape == (L, E, 1)  # (L, E, R + 1) with R = 0 redundant slots
+    assert np.array(doc["logical_replica_count"]).tolist() == [[1] * E] * L
+    for li in range(L):
+        for e in range(E):
+            (slot,) = [q for q in range(E) if p.phy2log[li, q] == e]
+            assert log2phy[li, e, 0] == slot == p.log2phy[li, e]
+    np.testing.assert_array_equal(ex.parse_vllm_eplb_maps(doc), p.phy2log)
+    assert doc["meta"]["moe_layers"] == list(tiny.model.moe_layers)
+
+
+def test_vllm_replicas_padded_with_minus_one():
+    # Four logical experts on six physical slots: the example in vLLM's EplbState docstring.
+    p = Placement(np.arange(3), np.array([[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]]))
+    inst = random_instance(np.random.default_rng(0), num_experts=4, ep=2, dp=2, pp=1, moe_layers=2)
+    doc = ex.vllm_eplb_maps(p, inst)
+    assert doc["logical_to_physical_map"] == [
+        [[0, 4, -1], [1, 5, -1], [2, -1, -1], [3, -1, -1]],
+        [[0, 2, 4], [3, -1, -1], [1, -1, -1], [5, -1, -1]],
+    ]
+    assert doc["logical_replica_count"] == [[2, 2, 1, 1], [3, 1, 1, 1]]
+    np.testing.assert_array_equal(ex.parse_vllm_eplb_maps(json.loads(ex._json_text(doc))), p.phy2log)
+
+
+def test_vllm_reader_catches_inconsistent_maps(tiny):
+    doc = ex.vllm_eplb_maps(default_placement(tiny), tiny)
+    doc["logical_to_physical_map"][0][3][0] = 4
+    with pytest.raises(InvalidInputError, match="layer 0 expert 3"):
+        ex.parse_vllm_eplb_maps(doc)
+
+
+def test_vllm_needs_no_instance(tmp_path, tiny):
+    ppath = tmp_path / "p.json"
+    write_placement(ppath, placement_document(tiny, default_placement(tiny), solver="default"))
+    out = tmp_path / "eplb.json"
+    assert main(["export", str(ppath), "--format", "vllm", "-o", str(out)]) == 0
+    np.testing.assert_array_equal(ex.parse_vllm_eplb_maps(out.read_text()), default_placement(tiny).phy2log)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core / TorchTitan permutations
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stack", ["megatron", "torchtitan"])
+def test_permutation_round_trip(tiny, stack):
+    rng = np.random.default_rng(3)
+    p = Placement(default_rank2gpu(tiny), random_expert_map(rng, tiny, preserving=True))
+    text = ex.export_text(stack, p, tiny)
+    layers, doc = ex.parse_expert_permutation(text)
+    assert sorted(layers) == list(tiny.model.moe_layers)  # keyed by transformer layer index
+    np.testing.assert_array_equal(np.stack([layers[i] for i in tiny.model.moe_layers]), p.phy2log)
+    assert doc["stack"] == stack and doc["group_limited"] and doc["group_preserving"]
+    assert "W_new[p] = W_old[layers[l][p]]" in doc["direction"]
+    assert doc["instance"] == {"name": tiny.name, "sha256": tiny.sha256}
+
+
+def test_permutation_refuses_group_breaking_maps(tiny):
+    rng = np.random.default_rng(4)
+    while True:
+        p2l = random_expert_map(rng, tiny, preserving=False)
+        if ex.group_breaks(p2l, tiny.model.num_experts, tiny.model.num_groups):
+            break
+    with pytest.raises(InfeasibleError, match="keep groups whole"):
+        ex.expert_permutation(tiny, Placement(default_rank2gpu(tiny), p2l), "megatron")
+
+
+def test_permutation_allows_any_map_without_group_limited_routing():
+    # two groups, but every token may use both: not group-limited, so any permutation is fine
+    inst = random_instance(np.random.default_rng(5), num_experts=8, num_groups=2, groups_per_token=2)
+    p2l = np.stack([np.array([7, 0, 1, 2, 3, 4, 5, 6])] * inst.model.num_moe_layers)
+    doc = ex.expert_permutation(inst, Placement(np.arange(inst.parallel.world_size), p2l), "torchtitan")
+    assert not doc["group_limited"] and not doc["group_preserving"]
+
+
+def test_permutation_reader_rejects_non_permutations(tiny):
+    doc = ex.expert_permutation(tiny, default_placement(tiny), "megatron")
+    doc["layers"]["2"][0] = doc["layers"]["2"][1]
+    with pytest.raises(InvalidInputError, match="layers.2: not a permutation"):
+        ex.parse_expert_permutation(doc)
+    with pytest.raises(InvalidInputError, match="expected kind"):
+        ex.parse_expert_permutation({"kind": "something else"})
+
+
+# ---------------------------------------------------------------------------------------------
+# HybridEP
+# ---------------------------------------------------------------------------------------------
+def hybrid_instance():
+    # 4 domains of 2 trays x 2 GPUs; world 8 = 2 stages x one EP group of 4.
+    return random_instance(np.random.default_rng(6), ep=4, dp=4, pp=2, num_domains=4, trays_per_domain=2, gpus_per_tray=2)
+
+
+def brute_force_ranks_per_domain(inst, rank2gpu) -> int | None:
+    """The one n with which every EP group is n consecutive ranks per distinct domain, else None."""
+    par, cl = inst.parallel, inst.cluster
+    for n in range(1, par.ep + 1):
+        if par.ep % n:
+            continue
+        ok = True
+        for s in range(par.pp):
+            for ranks in par.stage_ep_groups[s]:
+                doms = [int(cl.gpu2domain[rank2gpu[r]]) for r in ranks]
+                slices = [doms[k * n : (k + 1) * n] for k in range(par.ep // n)]
+                if any(len(set(sl)) != 1 for sl in slices) or len({sl[0] for sl in slices}) != len(slices):
+                    ok = False
+        if ok:
+            return n
+    return None
+
+
+def test_hybridep_env_for_whole_and_split_groups():
+    inst = hybrid_instance()
+    whole = Placement(np.arange(8), np.tile(np.arange(8), (3, 1)))  # each group inside one domain
+    env = ex.hybridep_env(inst, whole)
+    assert env == {"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "4", "USE_MNNVL": "1", "NVLINK_DOMAIN_SIZE": "4"}
+    split = Placement(np.array([0, 1, 4, 5, 8, 9, 12, 13]), whole.phy2log)  # 2 + 2 per group
+    text = ex.hybridep_env_text(inst, split)
+    assert ex.parse_env_text(text)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "2"
+    assert ex.parse_env_text(text) == ex.hybridep_env(inst, split)
+
+
+def test_hybridep_refuses_mixed_and_interleaved_layouts():
+    inst = hybrid_instance()
+    phy = np.tile(np.arange(8), (3, 1))
+    mixed = Placement(np.array([0, 1, 2, 3, 4, 5, 8, 9]), phy)  # stage 0: n=4, stage 1: n=2
+    with pytest.raises(InfeasibleError, match="different NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"):
+        ex.hybridep_env(inst, mixed)
+    interleaved = Placement(np.array([0, 4, 1, 5, 8, 9, 10, 11]), phy)
+    with pytest.raises(InfeasibleError, match="equal consecutive slices"):
+        ex.hybridep_env(inst, interleaved)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_hybridep_agrees_with_brute_force(r):
+    inst = hybrid_instance()
+    rng = np.random.default_rng(r.randrange(2**32))
+    # Mostly structured layouts (n consecutive ranks per domain), some uniformly random ones.
+    r2g = rng.permutation(16)[:8]
+    if r.random() < 0.7:
+        n = r.choice([1, 2, 4])
+        free = {d: [d * 4 + int(j) for j in rng.permutation(4)] for d in range(4)}
+        chosen: list[int] = []
+        for _stage in range(2):
+            doms = [d for d in rng.permutation(4).tolist() if len(free[d]) >= n][: 4 // n]
+            if len(doms) < 4 // n:
+                break
+            for d in doms:
+                chosen += [free[d].pop() for _ in range(n)]
+        if len(chosen) == 8:
+            r2g = np.array(chosen)
+    p = Placement(r2g, np.tile(np.arange(8), (3, 1)))
+    want = brute_force_ranks_per_domain(inst, r2g)
+    try:
+        got = int(ex.hybridep_env(inst, p)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
+    except InfeasibleError:
+        got = None
+    assert got == want
+
+
+def test_env_reader():
+    assert ex.parse_env_text("# c\n\nexport A=1\nB='x y'\n") == {"A": "1", "B": "x y"}
+    with pytest.raises(InvalidInputError, match="line 1"):
+        ex.parse_env_text("not an assignment")
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm (the host file itself is written by placement.hostfile)
+# ---------------------------------------------------------------------------------------------
+def test_slurm_hostfile_round_trip(tiny):
+    pytest.importorskip("placement.hostfile")
+    rng = np.random.default_rng(7)
+    r2g = rng.permutation(tiny.cluster.available_gpus)[: tiny.parallel.world_size]
+    p = Placement(r2g, np.tile(np.arange(tiny.model.num_experts), (tiny.model.num_moe_layers, 1)))
+    hosts = ex.parse_slurm_hostfile(ex.export_text("slurm", p, tiny))
+    assert len(hosts) == tiny.parallel.world_size
+    assert hosts == [tiny.cluster.host_name(tiny.cluster.gpu2host[g]) for g in r2g]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+def test_cli_export_every_format_matches_the_api(tmp_path, capsys):
+    inst = hybrid_instance()
+    rng = np.random.default_rng(8)
+    p = Placement(np.arange(8), random_expert_map(rng, inst, preserving=True))
+    ipath, ppath, inst = write_pair(tmp_path, inst, p)
+    for fmt in ex.FORMATS:
+        if fmt == "slurm":
+            try:
+                import placement.hostfile  # noqa: F401
+            except ImportError:
+                continue
+        out = tmp_path / f"out.{fmt}"
+        assert main(["export", str(ppath), "--format", fmt, "-o", str(out), "--instance", str(ipath)]) == 0, capsys.readouterr().err
+        assert out.read_text() == ex.export_text(fmt, p, inst)
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_cli_export_exit_codes(tmp_path, capsys):
+    inst = hybrid_instance()
+    p = Placement(np.array([0, 4, 1, 5, 8, 9, 10, 11]), np.tile(np.arange(8), (3, 1)))
+    ipath, ppath, inst = write_pair(tmp_path, inst, p)
+    out = tmp_path / "env.sh"
+    assert main(["export", str(ppath), "--format", "hybridep", "-o", str(out), "--instance", str(ipath)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "equal consecutive slices" in err and not out.exists()
+
+    # an instance that is not the one the placement was solved for
+    assert main(["export", str(ppath), "--format", "sglang", "-o", str(out), "--instance", str(INSTANCES / "tiny.json")]) == 2
+    assert "instance.sha256" in capsys.readouterr().err
+    # formats that need the instance say so
+    assert main(["export", str(ppath), "--format", "megatron", "-o", str(out)]) == 2
+    assert "--instance" in capsys.readouterr().err
+    assert main(["export", str(ppath), "--format", "nope", "-o", str(out)]) == 2
+    capsys.readouterr()
+
+
+def test_cli_export_refuses_an_invalid_placement(tmp_path, capsys):
+    inst = hybrid_instance()
+    p = Placement(np.array([0, 0, 1, 2, 3, 4, 5, 6]), np.tile(np.arange(8), (3, 1)))
+    ipath, ppath, _ = write_pair(tmp_path, inst, p)
+    assert main(["export", str(ppath), "--format", "sglang", "-o", str(tmp_path / "x"), "--instance", str(ipath)]) == 2
+    assert "runs 2 ranks" in capsys.readouterr().err
