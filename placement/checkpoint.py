@@ -81,6 +81,10 @@ PARAMETER_NAMES: dict[str, dict[str, Any]] = {
             "decoder.layers.{layer}.mlp.experts.weight1": "view(E, hidden, -1): expert-major columns",
             "decoder.layers.{layer}.mlp.experts.weight2": "view(E, -1, hidden): expert-major rows",
         },
+        # every key under this prefix must be one of the above, or shared by all experts (TE's
+        # per-GEMM-group FP8 metadata): anything else is refused rather than left unpermuted
+        "expert_prefix": "decoder.layers.{layer}.mlp.experts.",
+        "shared": [r"decoder\.layers\.{layer}\.mlp\.experts\.linear_fc[12]\._extra_state"],
     },
     "torchtitan": {
         "router_weight": "layers.{layer}.moe.router.gate.weight",
@@ -94,6 +98,8 @@ PARAMETER_NAMES: dict[str, dict[str, Any]] = {
         "indexed": [],
         "stacked": [r"layers\.{layer}\.moe\.experts\.(?P<rest>w[123])"],
         "grouped": {},
+        "expert_prefix": "layers.{layer}.moe.experts.",
+        "shared": [],
     },
     "hf": {
         "router_weight": "model.layers.{layer}.mlp.gate.weight",
@@ -105,13 +111,15 @@ PARAMETER_NAMES: dict[str, dict[str, Any]] = {
         "indexed": [r"model\.layers\.{layer}\.mlp\.experts\.(?P<expert>\d+)\.(?P<rest>.+)"],
         "stacked": [],
         "grouped": {},
+        "expert_prefix": "model.layers.{layer}.mlp.experts.",
+        "shared": [],
     },
 }
 
 
 def apply_permutation(
     state_dict: Mapping[str, Any],
-    layers: Mapping[int, Sequence[int]],
+    layers: Mapping[int, Sequence[int] | np.ndarray],
     *,
     stack: Stack,
     num_groups: int = 1,
@@ -224,6 +232,7 @@ def _permute_layer(src: Mapping[str, Any], out: dict[str, Any], names: dict, loc
     """Permute every per-expert entry of one layer from ``src`` into ``out``; how many expert weights moved."""
     num_experts = len(perm)
     moved = 0
+    handled: set[str] = set()
     for template in names["rows"]:
         key = template.format(layer=local)
         if key in src:
@@ -236,6 +245,7 @@ def _permute_layer(src: Mapping[str, Any], out: dict[str, Any], names: dict, loc
                 _expect_rows(key, src[key], num_experts)
                 out[key] = _take(src[key], perm)
                 moved += 1
+                handled.add(key)
     for pattern in names["indexed"]:
         rx = re.compile(pattern.format(layer=local))
         by_rest: dict[str, dict[int, str]] = {}
@@ -253,11 +263,21 @@ def _permute_layer(src: Mapping[str, Any], out: dict[str, Any], names: dict, loc
             for p, old in enumerate(perm):
                 out[keys[p]] = src[keys[old]]
             moved += len(keys)
+            handled.update(keys.values())
     for template in names["grouped"]:
         key = template.format(layer=local)
         if key in src:
             out[key] = _take_grouped(key, src[key], perm, expert_major_rows=key.endswith("weight2"))
             moved += 1
+            handled.add(key)
+    prefix = names["expert_prefix"].format(layer=local)
+    shared = [re.compile(x.format(layer=local)) for x in names["shared"]]
+    for key in src:
+        if key.startswith(prefix) and key not in handled and not any(rx.fullmatch(key) for rx in shared):
+            raise InvalidInputError(
+                f"{key}: an expert parameter this stack's naming does not know how to permute; "
+                "refusing to permute the layer's router without it"
+            )
     return moved
 
 

@@ -401,7 +401,7 @@ def export_text(fmt: str, placement: Placement, instance: Instance | None) -> st
     if fmt == "vllm":
         return _json_text(vllm_eplb_maps(placement, instance))
     if fmt in ("megatron", "torchtitan"):
-        return _json_text(expert_permutation(instance, placement, fmt))  # type: ignore[arg-type]
+        return _json_text(expert_permutation(instance, placement, fmt))
     if fmt == "slurm":
         return slurm_hostfile_text(instance, placement)
     return hybridep_env_text(instance, placement)

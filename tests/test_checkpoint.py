@@ -241,6 +241,11 @@ def test_refusals_name_the_problem():
         ck.apply_permutation(shard, {3: list(range(E))}, stack="megatron")
     with pytest.raises(InvalidInputError, match="stack"):
         ck.apply_permutation(sd, {3: list(range(E))}, stack="deepspeed")  # type: ignore[arg-type]
+    packed = {**sd, "decoder.layers.3.mlp.experts.linear_fc1.weight": np.zeros((E, 4, 2))}  # an unknown layout
+    with pytest.raises(InvalidInputError, match="does not know how to permute"):
+        ck.apply_permutation(packed, {3: list(range(E))}, stack="megatron")
+    shared = {**sd, "decoder.layers.3.mlp.experts.linear_fc1._extra_state": object()}  # TE per-GEMM metadata
+    assert ck.apply_permutation(shared, {3: list(range(E))}, stack="megatron").keys() == shared.keys()
     with pytest.raises(InvalidInputError, match="no expert weights"):
         ck.apply_permutation(
             {"layers.3.moe.router.gate.weight": np.zeros((E, 2))}, {3: list(range(E))}, stack="torchtitan"
