@@ -395,6 +395,10 @@ def export_text(fmt: str, placement: Placement, instance: Instance | None) -> st
     if instance is None:
         if fmt not in _WITHOUT_INSTANCE:
             raise InvalidInputError(f"--instance: format {fmt} needs the instance (layer indices, hosts, domains)")
+        p2l = np.asarray(placement.phy2log)
+        for li, row in enumerate(p2l):  # without the instance, at least each map must be one
+            if sorted(int(x) for x in row) != list(range(p2l.shape[1])):
+                raise InvalidInputError(f"phy2log[{li}]: not a permutation of the {p2l.shape[1]} experts")
         return _json_text(vllm_eplb_maps(placement))
     if fmt == "sglang":
         return _json_text(sglang_expert_location(instance, placement))

@@ -118,6 +118,10 @@ def test_vllm_needs_no_instance(tmp_path, tiny):
     out = tmp_path / "eplb.json"
     assert main(["export", str(ppath), "--format", "vllm", "-o", str(out)]) == 0
     np.testing.assert_array_equal(ex.parse_vllm_eplb_maps(out.read_text()), default_placement(tiny).phy2log)
+    bad = default_placement(tiny).phy2log.copy()
+    bad[1, 0] = 1
+    write_placement(ppath, placement_document(tiny, Placement(default_rank2gpu(tiny), bad), solver="x"))
+    assert main(["export", str(ppath), "--format", "vllm", "-o", str(out)]) == 2
 
 
 # ---------------------------------------------------------------------------------------------
