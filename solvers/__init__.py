@@ -4,6 +4,9 @@ Importing this package registers every solver; ``SOLVERS`` maps names to solve f
 """
 
 from solvers import default as _default  # noqa: F401  (registers "default")
+from solvers import eplb as _eplb  # noqa: F401  (registers "eplb", a peer)
+from solvers import kahypar as _kahypar  # noqa: F401  (registers "kahypar", a peer; mtkahypar imported lazily)
+from solvers import packed as _packed  # noqa: F401  (registers "packed", a peer)
 from solvers.base import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SolveOptions, SolveResult
 from solvers.registry import SOLVERS, get_solver, register
 

@@ -1,0 +1,344 @@
+"""Mt-KaHyPar as a peer: experts to domains by hypergraph partitioning, then within-domain balancing.
+
+Hypergraph partitioning is the strongest general tool for this problem (DESIGN.md section 6).  Per
+MoE layer, on the default rank layout (sources fixed where the default puts them):
+
+- Blocks: the nodes of the layer's stage (:func:`solvers.eplb.stage_rank_nodes`): the NVLink
+  domains its EP group touches (with several EP groups per stage, the classes of EP ranks that share
+  a domain in every group, a refinement of the domains, so the objective below is then an upper
+  bound on the true cost rather than equal to it).
+- Vertices: the ``E`` experts and one source vertex per block, fixed to its block, all of weight 1
+  (Mt-KaHyPar 1.7 mishandles zero-weight fixed vertices: it crashes or misplaces them).
+- Nets (``per_domain`` cost mode): each sampled token is a net over its source's block vertex and
+  its ``top_k`` experts; identical nets are merged into one with the count as its weight.  The
+  connectivity-minus-one (KM1) objective of a net is then exactly the number of remote domains the
+  token reaches: the ``per_domain`` cost.  (``per_pair`` cost mode: one two-pin net per (source
+  block, expert) pair, weighted by its count; KM1 = cut = remote (token, expert) pairs, exact too.)
+- Balance: exact capacities, block ``b`` holds ``(EP ranks in b) x (experts per rank)`` experts,
+  set (plus one for the source vertex) as individual target block weights.  Should Mt-KaHyPar return a block over its capacity, a
+  greedy repair moves the experts with the smallest exact KM1 increase to blocks with room.
+- Two starts, the better kept: Mt-KaHyPar's own multilevel partition, and its V-cycle refinement
+  (``improve_partition``, 3 V-cycles) of the contiguous default's map; lower KM1 on the sampled
+  tokens wins.  A partitioner alone lost to the contiguous default on ``dsv3_ep256`` (its
+  group-limited routing makes contiguous groups strong); refining the default too is how a careful
+  user would run it, and it keeps this peer at least as good as the default on the sampled tokens.
+- Then the experts of each block go onto its EP ranks by balanced packing on expert load (LPT with
+  equal counts, :func:`solvers.eplb.pack_within_nodes`), as EPLB's last step does.
+
+Mt-KaHyPar runs with the ``DETERMINISTIC_QUALITY`` preset (falling back to ``DETERMINISTIC`` on
+versions without it), ``options.num_workers`` threads and ``mtkahypar.set_seed(options.seed)``:
+the same seed gives the same placement whatever the thread count.  ``mtkahypar`` is an optional
+extra: ``pip install -e '.[peers]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from placement.checker import violates_group_preservation
+from placement.cost import LayoutIndex
+from placement.model import CostMode, Instance, InvalidInputError, Placement, SolverError
+from solvers.base import SolveOptions, SolveResult
+from solvers.default import default_rank2gpu
+from solvers.eplb import expert_loads, pack_within_nodes, stage_rank_nodes
+from solvers.registry import register
+
+__all__ = ["layer_nets", "km1", "partition_layer", "repair_capacities", "kahypar_phy2log", "solve_kahypar"]
+
+log = logging.getLogger(__name__)
+
+_INITIALIZERS: dict[int, Any] = {}  # threads -> mtkahypar.Initializer (the thread pool is per process)
+
+
+def _mtkahypar() -> Any:
+    try:
+        import mtkahypar
+    except ImportError as exc:
+        raise SolverError(
+            "solver 'kahypar' needs Mt-KaHyPar, an optional extra: pip install -e '.[peers]'"
+        ) from exc
+    return mtkahypar
+
+
+def _initializer(num_threads: int) -> Any:
+    mtk = _mtkahypar()
+    if num_threads not in _INITIALIZERS:
+        _INITIALIZERS[num_threads] = mtk.initialize(num_threads, False)
+    return _INITIALIZERS[num_threads]
+
+
+def layer_nets(
+    topk: np.ndarray, src_block: np.ndarray, num_experts: int, cost_mode: CostMode
+) -> tuple[np.ndarray, np.ndarray]:
+    """The merged nets of one layer.
+
+    Parameters
+    ----------
+    topk : (dp, tokens_per_source, top_k) expert ids of the layer's sampled tokens.
+    src_block : (dp, tokens_per_source) block of each token's source.
+    num_experts : E; source vertex of block ``b`` is ``E + b``.
+    cost_mode : ``per_domain`` (one net per token) or ``per_pair`` (one net per token-expert pair).
+
+    Returns
+    -------
+    nets : (num_nets, pins) int64 vertex ids, first pin the source vertex.
+    weights : (num_nets,) int64 number of merged tokens (or pairs).
+    """
+    k = topk.shape[-1]
+    src = (np.asarray(src_block, dtype=np.int64) + num_experts).reshape(-1, 1)
+    experts = np.sort(np.asarray(topk, dtype=np.int64).reshape(-1, k), axis=1)
+    if cost_mode == "per_pair":
+        rows = np.column_stack([np.repeat(src[:, 0], k), experts.reshape(-1)])
+    else:
+        rows = np.hstack([src, experts])
+    nets, weights = np.unique(rows, axis=0, return_counts=True)
+    return nets.astype(np.int64), weights.astype(np.int64)
+
+
+def km1(nets: np.ndarray, weights: np.ndarray, vertex2block: np.ndarray) -> int:
+    """Weighted connectivity-minus-one of a partition.
+
+    Parameters
+    ----------
+    nets : (num_nets, pins) vertex ids (equal-size nets; a repeated pin counts once).
+    weights : (num_nets,) net weights.
+    vertex2block : (num_vertices,) block of each vertex.
+
+    Examples
+    --------
+    >>> km1(np.array([[0, 1, 2], [0, 0, 1]]), np.array([3, 1]), np.array([0, 1, 1]))
+    4
+    """
+    blocks = np.sort(np.asarray(vertex2block)[nets], axis=1)
+    distinct = 1 + (blocks[:, 1:] != blocks[:, :-1]).sum(axis=1)
+    return int(((distinct - 1) * np.asarray(weights)).sum())
+
+
+def repair_capacities(
+    nets: np.ndarray, weights: np.ndarray, vertex2block: np.ndarray, movable: np.ndarray, capacities: np.ndarray
+) -> np.ndarray:
+    """Move movable vertices out of over-full blocks, each time the move with the least KM1 increase.
+
+    Parameters
+    ----------
+    nets, weights : as from :func:`layer_nets`.
+    vertex2block : (num_vertices,) block of each vertex.
+    movable : (num_movable,) ids of the unit-weight vertices that may move (the experts).
+    capacities : (k,) how many movable vertices each block may hold; ``sum >= len(movable)``.
+
+    Returns
+    -------
+    (num_vertices,) int64 block of each vertex, every block within its capacity.
+    """
+    v2b = np.array(vertex2block, dtype=np.int64)
+    cap = np.asarray(capacities, dtype=np.int64)
+    k = len(cap)
+    if int(cap.sum()) < len(movable):
+        raise InvalidInputError(f"repair_capacities: {len(movable)} vertices do not fit capacities {cap.tolist()}")
+    count = np.bincount(v2b[movable], minlength=k)
+    if (count <= cap).all():
+        return v2b
+    num_nets = len(nets)
+    # pins[n, b]: pins of net n in block b (a repeated vertex counts once).
+    uniq = [np.unique(row) for row in nets]
+    pins = np.zeros((num_nets, k), dtype=np.int64)
+    incident: dict[int, list[int]] = {int(v): [] for v in movable}
+    for n, row in enumerate(uniq):
+        for v in row:
+            pins[n, v2b[v]] += 1
+            if int(v) in incident:
+                incident[int(v)].append(n)
+    inc = {v: np.array(ns, dtype=np.int64) for v, ns in incident.items()}
+    while (count > cap).any():
+        best: tuple[int, int, int, int] | None = None  # (delta, vertex, from, to)
+        for a in np.flatnonzero(count > cap):
+            for v in movable[v2b[movable] == a]:
+                ns = inc[int(v)]
+                w = weights[ns]
+                leave = int((w * (pins[ns, a] == 1)).sum())
+                for b in np.flatnonzero(count < cap):
+                    delta = int((w * (pins[ns, b] == 0)).sum()) - leave
+                    if best is None or delta < best[0]:
+                        best = (delta, int(v), int(a), int(b))
+        _, v, a, b = best  # type: ignore[misc]  # some block has room: sum(cap) >= len(movable)
+        ns = inc[v]
+        pins[ns, a] -= 1
+        pins[ns, b] += 1
+        v2b[v] = b
+        count[a] -= 1
+        count[b] += 1
+    return v2b
+
+
+def _context(mtk_module: Any, init: Any, k: int, capacities: np.ndarray) -> Any:
+    presets = mtk_module.PresetType
+    preset = getattr(presets, "DETERMINISTIC_QUALITY", presets.DETERMINISTIC)
+    ctx = init.context_from_preset(preset)
+    ctx.set_partitioning_parameters(k, 0.0, mtk_module.Objective.KM1)
+    ctx.set_individual_target_block_weights([int(c) for c in capacities])
+    ctx.logging = False
+    return ctx
+
+
+def partition_layer(
+    topk: np.ndarray,
+    src_block: np.ndarray,
+    capacities: np.ndarray,
+    cost_mode: CostMode,
+    *,
+    initial: np.ndarray | None = None,
+    vcycles: int = 3,
+    seed: int = 0,
+    num_threads: int = 1,
+) -> tuple[np.ndarray, dict]:
+    """Experts of one layer to blocks with Mt-KaHyPar (KM1, fixed sources, exact capacities).
+
+    Parameters
+    ----------
+    topk : (dp, tokens_per_source, top_k) expert ids of the layer's sampled tokens.
+    src_block : (dp, tokens_per_source) block of each token's source.
+    capacities : (k,) experts each block holds; ``sum == E``.
+    cost_mode : see :func:`layer_nets`.
+    initial : (E,) a block of each expert within capacities (e.g. the contiguous default's).  When
+        given, Mt-KaHyPar also refines it with ``vcycles`` V-cycles (``improve_partition``) and the
+        best of its own partition, the refinement and ``initial`` itself (lowest KM1; in that order
+        on ties) is returned, so the answer is never worse than ``initial`` on these tokens.
+    vcycles : V-cycles of the refinement of ``initial``.
+    seed, num_threads : Mt-KaHyPar's seed and thread count.
+
+    Returns
+    -------
+    expert2block : (E,) int64 block of each expert, within capacities.
+    facts : ``{"km1", "km1_partitioner", "km1_initial", "km1_refined", "start", "repaired_moves"}``:
+        KM1 in merged-net weight units (sampled tokens, or pairs), the partitioner's own answer
+        before repair, the initial map and its refinement (``None`` without ``initial``), which
+        answer won (``partitioner``, ``refined`` or ``initial``), and the moves the repair made.
+    """
+    capacities = np.asarray(capacities, dtype=np.int64)
+    num_experts = int(capacities.sum())
+    k = len(capacities)
+    nets, weights = layer_nets(topk, src_block, num_experts, cost_mode)
+    if k == 1:
+        e2b = np.zeros(num_experts, dtype=np.int64)
+        return e2b, {"km1": 0, "km1_partitioner": 0, "km1_initial": None, "km1_refined": None,
+                     "start": "partitioner", "repaired_moves": 0}
+    mtk = _mtkahypar()
+    init = _initializer(num_threads)
+    # Source vertices weigh 1 (zero-weight fixed vertices crash or get misplaced in Mt-KaHyPar 1.7),
+    # so every block's target weight is its capacity plus its one source vertex.
+    ctx = _context(mtk, init, k, capacities + 1)
+    mtk.set_seed(int(seed))
+    num_vertices = num_experts + k
+    hg = init.create_hypergraph(ctx, num_vertices, len(nets), nets.tolist(), [1] * num_vertices, weights.tolist())
+    hg.add_fixed_vertices([-1] * num_experts + list(range(k)), k)
+    fixed = np.arange(k)
+    movable = np.arange(num_experts)
+
+    def finish(v2b: np.ndarray) -> tuple[np.ndarray, int, int]:
+        if not (v2b[num_experts:] == fixed).all():
+            raise SolverError("Mt-KaHyPar moved a fixed source vertex out of its block")
+        repaired = repair_capacities(nets, weights, v2b, movable, capacities)
+        return repaired, km1(nets, weights, repaired), int((repaired != v2b).sum())
+
+    own = np.asarray(hg.partition(ctx).get_partition(), dtype=np.int64)
+    facts: dict = {"km1_partitioner": km1(nets, weights, own), "km1_initial": None, "km1_refined": None}
+    best, best_km1, moves = finish(own)
+    facts["start"] = "partitioner"
+    if initial is not None:
+        start = np.concatenate([np.asarray(initial, dtype=np.int64), fixed])
+        if not (np.bincount(start[:num_experts], minlength=k) <= capacities).all():
+            raise InvalidInputError("partition_layer: the initial map exceeds a block's capacity")
+        facts["km1_initial"] = km1(nets, weights, start)
+        phg = hg.create_partitioned_hypergraph(ctx, k, start.tolist())
+        phg.improve_partition(ctx, int(vcycles))
+        refined, refined_km1, refined_moves = finish(np.asarray(phg.get_partition(), dtype=np.int64))
+        facts["km1_refined"] = refined_km1
+        if refined_km1 < best_km1:
+            best, best_km1, moves = refined, refined_km1, refined_moves
+            facts["start"] = "refined"
+        if facts["km1_initial"] < best_km1:  # refinement never worsens it, but be sure
+            best, best_km1, moves = start, facts["km1_initial"], 0
+            facts["start"] = "initial"
+    facts["km1"] = best_km1
+    facts["repaired_moves"] = moves
+    return best[:num_experts], facts
+
+
+def kahypar_phy2log(
+    instance: Instance, rank2gpu: np.ndarray, options: SolveOptions
+) -> tuple[np.ndarray, list[dict]]:
+    """(num_moe_layers, E) expert maps by Mt-KaHyPar plus within-block balancing, and per-layer facts.
+
+    Layers not reached by ``options.deadline`` keep the contiguous map (reported in the facts).
+    """
+    m = instance.model
+    topk = instance.routing.topk
+    epr = instance.experts_per_rank
+    layout = LayoutIndex(instance, rank2gpu, instance.routing.tokens_per_source)
+    loads = expert_loads(topk, m.num_experts)
+    deadline = options.resolved_deadline()
+    stage_of = instance.moe_layer2stage
+    nodes = {int(s): stage_rank_nodes(instance, rank2gpu, int(s)) for s in np.unique(stage_of)}
+    phy2log = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
+    facts: list[dict] = []
+    for li in range(m.num_moe_layers):
+        if time.monotonic() >= deadline:
+            facts.append({"layer": li, "solved": False})
+            continue
+        s = int(stage_of[li])
+        rank2node = nodes[s]
+        src_block = rank2node[layout.rank2eprank[layout.src_rank[s]]]  # (dp, T)
+        capacities = np.bincount(rank2node) * epr
+        t0 = time.monotonic()
+        contiguous = rank2node[np.arange(m.num_experts) // epr]  # the default's expert -> block
+        e2b, info = partition_layer(
+            topk[li],
+            src_block,
+            capacities,
+            instance.cost_mode,
+            initial=contiguous,
+            seed=options.seed,
+            num_threads=options.num_workers,
+        )
+        phy2log[li] = pack_within_nodes(loads[li], e2b, rank2node, epr)
+        facts.append({"layer": li, "solved": True, "blocks": len(capacities), **info})
+        log.debug("kahypar layer %d: km1 %d in %.2f s", li, info["km1"], time.monotonic() - t0)
+        options.report(f"kahypar: layer {li + 1}/{m.num_moe_layers}, km1 {info['km1']}")
+    return phy2log, facts
+
+
+@register("kahypar")
+def solve_kahypar(instance: Instance, options: SolveOptions) -> SolveResult:
+    """Mt-KaHyPar per MoE layer on the default rank layout, then within-domain balancing.
+
+    Raises
+    ------
+    SolverError
+        When ``mtkahypar`` is not installed (``pip install -e '.[peers]'``).
+    """
+    from placement.cost import evaluate
+
+    _mtkahypar()  # fail early with the install hint
+    rank2gpu = default_rank2gpu(instance)
+    phy2log, facts = kahypar_phy2log(instance, rank2gpu, options)
+    placement = Placement(rank2gpu, phy2log)
+    unsolved = [f["layer"] for f in facts if not f["solved"]]
+    return SolveResult(
+        placement=placement,
+        solver="kahypar",
+        status="heuristic",
+        objective_bytes=evaluate(instance, placement).cross_domain_bytes_per_step,
+        params={
+            "layout": "default",
+            "preset": "DETERMINISTIC_QUALITY",
+            "objective": "km1",
+            "starts": ["partitioner", "contiguous default + 3 V-cycles"],
+        },
+        details={"layers": facts, "unsolved_layers": unsolved},
+        group_preserving=not violates_group_preservation(instance, placement),
+        consumer="none",
+    )
