@@ -19,7 +19,8 @@ torchtitan new expert slot ``p`` takes old expert              a Megatron-Core /
            ``phy2log[p]``                                   dict, offline
 slurm      one host name per line, line ``i`` = rank ``i``  ``SLURM_HOSTFILE`` with
                                                             ``srun --distribution=arbitrary``
-hybridep   ``export NAME=VALUE`` lines                       DeepEP HybridEP / Megatron ``flex``
+hybridep   ``sh`` file of ``export NAME=VALUE`` lines        DeepEP HybridEP / Megatron ``flex``
+           (value chosen per rank when EP groups differ)
 ========== ================================================ =====================================
 """
 
@@ -50,9 +51,10 @@ __all__ = [
     "parse_expert_permutation",
     "slurm_hostfile_text",
     "parse_slurm_hostfile",
-    "hybridep_ranks_per_domain",
+    "hybridep_rank2n",
     "hybridep_env",
     "hybridep_env_text",
+    "parse_hybridep_env_text",
     "parse_env_text",
     "export_text",
     "load_for_export",
@@ -305,45 +307,55 @@ def parse_slurm_hostfile(text: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # HybridEP / DeepEP
 # ---------------------------------------------------------------------------------------------
-def hybridep_ranks_per_domain(instance: Instance, placement: Placement) -> int:
-    """The one ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` every EP group of the layout obeys.
+def hybridep_rank2n(instance: Instance, placement: Placement) -> np.ndarray:
+    """(world,) ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` for each global rank's EP group.
 
     HybridEP numbers the ranks of an EP group ``local = rank % n``, ``node = rank // n``: each
-    run of ``n`` consecutive EP ranks must sit in one NVLink domain, a different domain per run.
+    run of ``n`` consecutive EP ranks must sit in one NVLink domain, a different domain per run,
+    so ``n = ep / (domains the group touches)``.
 
     Raises
     ------
     InfeasibleError
-        When an EP group breaks the equal-slices rule, or the groups need different ``n`` (the
-        variable is one value per job).
+        When an EP group breaks the equal-slices rule.
     """
     bad = deepep_violations(instance, placement)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise InfeasibleError(f"hybridep: {bad[0]}{more}")
     cl, par = instance.cluster, instance.parallel
-    sizes: dict[int, list[str]] = {}
+    rank2n = np.zeros(par.world_size, dtype=np.int64)
     for s in range(par.pp):
-        for gi, ranks in enumerate(par.stage_ep_groups[s]):
+        for ranks in par.stage_ep_groups[s]:
             n_domains = len({int(cl.gpu2domain[int(placement.rank2gpu[r])]) for r in ranks})
-            sizes.setdefault(par.ep // n_domains, []).append(f"stage {s} group {gi}")
-    if len(sizes) > 1:
-        desc = "; ".join(f"{n} ranks per domain: {', '.join(g[:3])}{'...' if len(g) > 3 else ''}" for n, g in sorted(sizes.items()))
-        raise InfeasibleError(
-            f"hybridep: EP groups need different NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN values ({desc}); "
-            "the variable is one value per job"
-        )
-    return next(iter(sizes))
+            rank2n[ranks] = par.ep // n_domains
+    return rank2n
 
 
-def hybridep_env(instance: Instance, placement: Placement) -> dict[str, str]:
-    """The environment variables HybridEP reads for this layout.
+def hybridep_env(instance: Instance, placement: Placement, rank: int | None = None) -> dict[str, str]:
+    """The environment HybridEP reads, for one global ``rank`` (or for all, when they agree).
 
     ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` (current DeepEP and Megatron-Core), ``USE_MNNVL``
     (1 when an NVLink domain spans several trays: fabric memory handles), ``NVLINK_DOMAIN_SIZE``
     (GPUs per NVLink domain, read by earlier HybridEP versions).
+
+    Raises
+    ------
+    InfeasibleError
+        An EP group breaks the equal-slices rule; or ``rank`` is None and the EP groups need
+        different values (use :func:`hybridep_env_text`, which chooses by rank).
     """
-    n = hybridep_ranks_per_domain(instance, placement)
+    rank2n = hybridep_rank2n(instance, placement)
+    if rank is None:
+        values = sorted(set(rank2n.tolist()))
+        if len(values) > 1:
+            raise InfeasibleError(
+                f"hybridep: EP groups need different NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN values {values}: "
+                "give a rank, or write the per-rank file"
+            )
+        n = values[0]
+    else:
+        n = int(rank2n[rank])
     cl = instance.cluster
     return {
         "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": str(n),
@@ -352,17 +364,54 @@ def hybridep_env(instance: Instance, placement: Placement) -> dict[str, str]:
     }
 
 
+_PER_RANK_LIST = "_placement_hybrid_ep_n"
+
+
 def hybridep_env_text(instance: Instance, placement: Placement) -> str:
-    """:func:`hybridep_env` as a file to ``source`` before the launch."""
-    env = hybridep_env(instance, placement)
-    n = int(env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
+    """A POSIX ``sh`` file to source: :func:`hybridep_env` of every rank.
+
+    When every EP group needs the same value the file is plain ``export NAME=VALUE`` lines (source
+    it before the launch).  Otherwise the value is chosen from a per-rank list by the global rank
+    (``RANK``, else ``SLURM_PROCID``): source it inside each task.
+    """
+    rank2n = hybridep_rank2n(instance, placement)
+    values = sorted(set(rank2n.tolist()))
+    par = instance.parallel
+    head = f"# HybridEP layout for instance {instance.name} (sha256 {instance.sha256[:16]}...), written by placement export"
+    env = hybridep_env(instance, placement, rank=0)
+    if len(values) == 1:
+        lines = [head, f"# every EP group (ep={par.ep}) holds {values[0]} consecutive EP ranks in each of {par.ep // values[0]} NVLink domain(s)"]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+        return "\n".join(lines) + "\n"
     lines = [
-        f"# HybridEP layout for instance {instance.name} (sha256 {instance.sha256[:16]}...), written by placement export",
-        f"# every EP group (ep={instance.parallel.ep}) holds {n} consecutive EP ranks in each of "
-        f"{instance.parallel.ep // n} NVLink domain(s)",
+        head,
+        f"# EP groups (ep={par.ep}) hold {' or '.join(map(str, values))} consecutive EP ranks per NVLink domain, so the",
+        "# value depends on the global rank: source this file inside each task, once RANK or SLURM_PROCID is set,",
+        "# e.g. srun ... sh -c '. ./hybridep.env && exec python train.py ...'",
+        f"{_PER_RANK_LIST}='{' '.join(map(str, rank2n.tolist()))}'",
+        '_placement_rank="${RANK:-${SLURM_PROCID:?hybridep env: set RANK or SLURM_PROCID}}"',
+        "export NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=\"$(echo \"$" + _PER_RANK_LIST
+        + "\" | cut -d ' ' -f \"$((_placement_rank + 1))\")\"",
+        f"export USE_MNNVL={env['USE_MNNVL']}",
+        f"export NVLINK_DOMAIN_SIZE={env['NVLINK_DOMAIN_SIZE']}",
+        f"unset {_PER_RANK_LIST} _placement_rank",
     ]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     return "\n".join(lines) + "\n"
+
+
+def parse_hybridep_env_text(text: str, rank: int) -> dict[str, str]:
+    """The environment :func:`hybridep_env_text`'s file gives global ``rank``."""
+    rows = text.splitlines()
+    per_rank = [r for r in rows if r.startswith(f"{_PER_RANK_LIST}=")]
+    if not per_rank:
+        return parse_env_text(text)
+    (values,) = shlex.split(per_rank[0].split("=", 1)[1])
+    n_of_rank = values.split(" ")
+    if not 0 <= rank < len(n_of_rank):
+        raise InvalidInputError(f"env: rank {rank} is outside the file's {len(n_of_rank)} ranks")
+    plain = [r for r in rows if r.startswith("export ") and "$(" not in r]
+    env = parse_env_text("\n".join(plain))
+    return {"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": n_of_rank[rank], **env}
 
 
 def parse_env_text(text: str) -> dict[str, str]:

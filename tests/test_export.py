@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -175,44 +177,67 @@ def hybrid_instance():
     return random_instance(np.random.default_rng(6), ep=4, dp=4, pp=2, num_domains=4, trays_per_domain=2, gpus_per_tray=2)
 
 
-def brute_force_ranks_per_domain(inst, rank2gpu) -> int | None:
-    """The one n with which every EP group is n consecutive ranks per distinct domain, else None."""
+def brute_force_rank2n(inst, rank2gpu) -> np.ndarray | None:
+    """Per rank, the n with which its EP group is n consecutive ranks per distinct domain (None: no n)."""
     par, cl = inst.parallel, inst.cluster
-    for n in range(1, par.ep + 1):
-        if par.ep % n:
-            continue
-        ok = True
-        for s in range(par.pp):
-            for ranks in par.stage_ep_groups[s]:
-                doms = [int(cl.gpu2domain[rank2gpu[r]]) for r in ranks]
-                slices = [doms[k * n : (k + 1) * n] for k in range(par.ep // n)]
-                if any(len(set(sl)) != 1 for sl in slices) or len({sl[0] for sl in slices}) != len(slices):
-                    ok = False
-        if ok:
-            return n
-    return None
+    out = np.zeros(par.world_size, dtype=int)
+    for s in range(par.pp):
+        for ranks in par.stage_ep_groups[s]:
+            doms = [int(cl.gpu2domain[rank2gpu[r]]) for r in ranks]
+            fits = []
+            for n in range(1, par.ep + 1):
+                slices = [doms[k * n : (k + 1) * n] for k in range(par.ep // n)] if par.ep % n == 0 else []
+                if slices and all(len(set(sl)) == 1 for sl in slices) and len({sl[0] for sl in slices}) == len(slices):
+                    fits.append(n)
+            if len(fits) != 1:
+                return None
+            out[ranks] = fits[0]
+    return out
 
 
-def test_hybridep_env_for_whole_and_split_groups():
+def source_env(path, rank: int) -> dict[str, str]:
+    """Source the file in a real POSIX shell as global rank ``rank``; the three variables."""
+    names = ["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "USE_MNNVL", "NVLINK_DOMAIN_SIZE"]
+    script = f". '{path}' && " + " && ".join(f'echo "${n}"' for n in names)
+    out = subprocess.run(["sh", "-c", script], env={"PATH": os.environ["PATH"], "SLURM_PROCID": str(rank)},
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    return dict(zip(names, out))
+
+
+def test_hybridep_env_for_whole_and_split_groups(tmp_path):
     inst = hybrid_instance()
     whole = Placement(np.arange(8), np.tile(np.arange(8), (3, 1)))  # each group inside one domain
     env = ex.hybridep_env(inst, whole)
     assert env == {"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "4", "USE_MNNVL": "1", "NVLINK_DOMAIN_SIZE": "4"}
     split = Placement(np.array([0, 1, 4, 5, 8, 9, 12, 13]), whole.phy2log)  # 2 + 2 per group
     text = ex.hybridep_env_text(inst, split)
-    assert ex.parse_env_text(text)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "2"
     assert ex.parse_env_text(text) == ex.hybridep_env(inst, split)
+    assert ex.parse_env_text(text)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "2"
+    path = tmp_path / "env.sh"
+    path.write_text(text)
+    assert source_env(path, 5) == ex.hybridep_env(inst, split)
 
 
-def test_hybridep_refuses_mixed_and_interleaved_layouts():
+def test_hybridep_per_rank_values_when_groups_differ(tmp_path):
     inst = hybrid_instance()
-    phy = np.tile(np.arange(8), (3, 1))
-    mixed = Placement(np.array([0, 1, 2, 3, 4, 5, 8, 9]), phy)  # stage 0: n=4, stage 1: n=2
-    with pytest.raises(InfeasibleError, match="different NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"):
+    mixed = Placement(np.array([0, 1, 2, 3, 4, 5, 8, 9]), np.tile(np.arange(8), (3, 1)))  # stage 0: n=4, stage 1: n=2
+    with pytest.raises(InfeasibleError, match="different NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN values"):
         ex.hybridep_env(inst, mixed)
-    interleaved = Placement(np.array([0, 4, 1, 5, 8, 9, 10, 11]), phy)
+    text = ex.hybridep_env_text(inst, mixed)
+    path = tmp_path / "env.sh"
+    path.write_text(text)
+    for rank in range(8):
+        want = ex.hybridep_env(inst, mixed, rank=rank)
+        assert want["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == ("4" if rank < 4 else "2")
+        assert ex.parse_hybridep_env_text(text, rank) == want
+        assert source_env(path, rank) == want  # what a real shell makes of the file
+
+
+def test_hybridep_refuses_interleaved_layouts():
+    inst = hybrid_instance()
+    interleaved = Placement(np.array([0, 4, 1, 5, 8, 9, 10, 11]), np.tile(np.arange(8), (3, 1)))
     with pytest.raises(InfeasibleError, match="equal consecutive slices"):
-        ex.hybridep_env(inst, interleaved)
+        ex.hybridep_env_text(inst, interleaved)
 
 
 @settings(max_examples=60, deadline=None)
@@ -223,10 +248,10 @@ def test_hybridep_agrees_with_brute_force(r):
     # Mostly structured layouts (n consecutive ranks per domain), some uniformly random ones.
     r2g = rng.permutation(16)[:8]
     if r.random() < 0.7:
-        n = r.choice([1, 2, 4])
         free = {d: [d * 4 + int(j) for j in rng.permutation(4)] for d in range(4)}
         chosen: list[int] = []
         for _stage in range(2):
+            n = r.choice([1, 2, 4])
             doms = [d for d in rng.permutation(4).tolist() if len(free[d]) >= n][: 4 // n]
             if len(doms) < 4 // n:
                 break
@@ -235,12 +260,15 @@ def test_hybridep_agrees_with_brute_force(r):
         if len(chosen) == 8:
             r2g = np.array(chosen)
     p = Placement(r2g, np.tile(np.arange(8), (3, 1)))
-    want = brute_force_ranks_per_domain(inst, r2g)
+    want = brute_force_rank2n(inst, r2g)
     try:
-        got = int(ex.hybridep_env(inst, p)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
+        got = ex.hybridep_rank2n(inst, p)
     except InfeasibleError:
         got = None
-    assert got == want
+    assert (got is None and want is None) or (got is not None and want is not None and got.tolist() == want.tolist())
+    if got is not None:
+        text = ex.hybridep_env_text(inst, p)
+        assert [int(ex.parse_hybridep_env_text(text, k)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"]) for k in range(8)] == got.tolist()
 
 
 def test_env_reader():
