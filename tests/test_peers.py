@@ -277,3 +277,52 @@ def test_kahypar_missing_module_gives_install_hint(monkeypatch, tiny):
 
     with pytest.raises(SolverError, match=r"pip install -e '\.\[peers\]'"):
         SOLVERS["kahypar"](tiny.for_solver(), SolveOptions(time_limit_s=5))
+
+
+# --------------------------------------------------------------------------------------------- benchmark
+def _benchmark_module():
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("peers_benchmark", ROOT / "benchmarks" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_runs_on_tiny_and_writes_json(tmp_path, capsys):
+    import json
+
+    bench = _benchmark_module()
+    out = tmp_path / "peers.json"
+    assert bench.main(["--instances", "tiny", "--peers", "default,packed,eplb", "--time-limit", "5",
+                       "--workers", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (inst,) = doc["instances"]
+    rows = {r["solver"]: r for r in inst["rows"]}
+    assert set(rows) >= {"default", "packed", "eplb", bench.OURS}
+    best = inst["target"]["best_peer"]
+    assert rows[best]["ratio_to_best_peer"] == pytest.approx(1.0)
+    for name in ("default", "packed", "eplb"):
+        assert rows[name]["ratio_to_best_peer"] >= 1.0 - 1e-12
+        assert rows[name]["metrics"]["heldout_cross_domain_bytes_per_step"] > 0
+    table = capsys.readouterr().out
+    assert "| packed |" in table and "lower bound" in table
+
+
+def test_target_check_against_hand_made_rows():
+    bench = _benchmark_module()
+
+    def row(name, held, load, wall):
+        return {"solver": name, "wall_s": wall,
+                "metrics": {"heldout_cross_domain_bytes_per_step": held, "heldout_expert_load_max_over_mean": load}}
+
+    rows = [row("default", 100.0, 1.5, 1.0), row("packed", 80.0, 1.4, 2.0), row(bench.OURS, 78.0, 1.3, 3.0)]
+    t = bench.target_check(rows)
+    assert t["best_peer"] == "packed" and t["ratio"] == pytest.approx(78 / 80)
+    assert not t["ratio_ok"] and t["load_ok"] and t["time_ok"] and t["met"] is False
+    rows[-1] = row(bench.OURS, 76.0 * 0.9, 1.45, 5.0)
+    t = bench.target_check(rows)
+    assert t["ratio_ok"] and not t["load_ok"] and not t["time_ok"]
+    assert bench.target_check(rows[:2])["met"] is None

@@ -1,0 +1,282 @@
+"""Side by side against the peers: every committed instance, one run, one evaluator.
+
+For each instance the same evaluator (:func:`placement.cost.report`) scores
+
+- ``default``: ranks on the available GPUs in sorted order, experts contiguous;
+- ``packed``: a careful engineer's layout, whole EP groups packed into racks (:mod:`solvers.packed`);
+- ``eplb``: DeepSeek EPLB's hierarchical balanced packing on the default layout (:mod:`solvers.eplb`);
+- ``kahypar``: Mt-KaHyPar per layer, then within-domain balancing (:mod:`solvers.kahypar`; needs the
+  ``peers`` extra);
+- ours, the registered solver ``cpsat`` at ``--time-limit`` seconds (skipped with a note while it is
+  not registered);
+- the best lower bound available: our solver's proved bound (``SolveResult.bound_bytes``, a bound
+  over its own search space), else ``n/a``.
+
+Usage::
+
+    python benchmarks/peers.py [--instances NAME|PATH ...] [--time-limit S] [--json OUT]
+
+It prints a Markdown table per instance (cross-domain bytes per step on the sampled and held-out
+tokens, the ratio to the best peer on held-out tokens, the busiest NIC and the expert load max/mean
+on held-out tokens, the solver's wall time) and the issue's target check, and writes the same as
+JSON.  Wall time is the solver call alone (``solve(instance.for_solver(), options)``); checking and
+scoring are not counted.  Timings depend on the machine's load, recorded with every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from placement.checker import check_or_raise  # noqa: E402
+from placement.cost import report  # noqa: E402
+from placement.formats import atomic_write_text, read_instance  # noqa: E402
+from placement.model import Instance, PlacementError  # noqa: E402
+from solvers import SOLVERS, SolveOptions  # noqa: E402
+from solvers.base import default_workers  # noqa: E402
+
+__all__ = ["PEERS", "OURS", "TARGET_RATIO", "TARGET_TIME_FACTOR", "run_instance", "target_check", "markdown_table", "main"]
+
+PEERS: tuple[str, ...] = ("default", "packed", "eplb", "kahypar")
+OURS = "cpsat"
+TARGET_RATIO = 0.95  # ours held-out cross-domain bytes <= 0.95 x the best peer's
+TARGET_TIME_FACTOR = 2.0  # ours wall time <= 2 x the best peer's
+SCHEMA_VERSION = 1
+
+# The scalar metrics kept per row (and their held-out twins); per-stage arrays are kept too.
+_SCALARS = (
+    "cross_domain_bytes_per_step",
+    "intra_domain_bytes_per_step",
+    "max_gpu_cross_domain_bytes_per_step",
+    "expert_load_max_over_mean",
+    "remote_domains_per_token",
+    "remote_experts_per_token",
+    "alltoall_time_s_per_step",
+    "cross_domain_bytes_per_stage",
+)
+
+
+def _load(name_or_path: str) -> Instance:
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = ROOT / "instances" / f"{name_or_path}.json"
+    return read_instance(path)
+
+
+def _committed_instances() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "instances").glob("*.json"))
+
+
+def _run_solver(instance: Instance, name: str, time_limit_s: float, seed: int, workers: int) -> dict:
+    """One row: solve, check, score.  A solver that cannot run gives a row with ``skipped`` set."""
+    row: dict = {"solver": name, "time_limit_s": time_limit_s, "load_average_before": os.getloadavg()[0]}
+    if name not in SOLVERS:
+        row["skipped"] = f"solver {name!r} is not registered yet"
+        return row
+    options = SolveOptions(time_limit_s=time_limit_s, seed=seed, num_workers=workers,
+                           deadline=time.monotonic() + time_limit_s)
+    t0 = time.monotonic()
+    try:
+        result = SOLVERS[name](instance.for_solver(), options)
+    except PlacementError as exc:
+        row["skipped"] = f"{type(exc).__name__}: {exc}"
+        return row
+    row["wall_s"] = time.monotonic() - t0
+    row["load_average_after"] = os.getloadavg()[0]
+    check_or_raise(instance, result.placement)
+    metrics = report(instance, result.placement)
+    keys = [k for base in _SCALARS for k in (base, "heldout_" + base)]
+    row["metrics"] = {k: metrics[k] for k in keys if k in metrics}
+    row.update(
+        status=result.status,
+        objective_bytes=result.objective_bytes,
+        bound_bytes=result.bound_bytes,
+        group_preserving=bool(result.group_preserving),
+        consumer=result.consumer,
+        params=result.params,
+    )
+    return row
+
+
+def target_check(rows: list[dict]) -> dict:
+    """Ours against the best peer (lowest held-out cross-domain bytes) on the issue's three targets.
+
+    Returns
+    -------
+    ``{"best_peer", "ratio", "ratio_ok", "load_ours", "load_best_peer", "load_ok", "wall_ours_s",
+    "wall_best_peer_s", "time_ok", "met"}``; ``{"best_peer": ..., "met": None, "note": ...}`` when
+    ours did not run.
+    """
+    scored = [r for r in rows if "metrics" in r]
+    peers = [r for r in scored if r["solver"] in PEERS]
+    if not peers:
+        return {"best_peer": None, "met": None, "note": "no peer ran"}
+    best = min(peers, key=lambda r: r["metrics"]["heldout_cross_domain_bytes_per_step"])
+    out: dict = {"best_peer": best["solver"]}
+    ours = next((r for r in scored if r["solver"] == OURS), None)
+    if ours is None:
+        out.update(met=None, note=f"ours ({OURS}) did not run")
+        return out
+    held_best = best["metrics"]["heldout_cross_domain_bytes_per_step"]
+    held_ours = ours["metrics"]["heldout_cross_domain_bytes_per_step"]
+    ratio = held_ours / held_best if held_best > 0 else (1.0 if held_ours == 0 else float("inf"))
+    load_ours = ours["metrics"]["heldout_expert_load_max_over_mean"]
+    load_best = best["metrics"]["heldout_expert_load_max_over_mean"]
+    out.update(
+        ratio=ratio,
+        ratio_ok=bool(ratio <= TARGET_RATIO or (held_best == 0 and held_ours == 0)),
+        load_ours=load_ours,
+        load_best_peer=load_best,
+        load_ok=bool(load_ours <= load_best + 1e-9),
+        wall_ours_s=ours["wall_s"],
+        wall_best_peer_s=best["wall_s"],
+        time_ok=bool(ours["wall_s"] <= TARGET_TIME_FACTOR * best["wall_s"]),
+    )
+    out["met"] = bool(out["ratio_ok"] and out["load_ok"] and out["time_ok"])
+    return out
+
+
+def run_instance(instance: Instance, *, peers: Sequence[str], time_limit_s: float, peer_time_limit_s: float,
+                 seed: int, workers: int, progress=None) -> dict:
+    """Every peer and ours on one instance; rows, ratios to the best peer, bound, target check."""
+    rows = []
+    for name in (*peers, OURS):
+        if progress:
+            progress(f"{instance.name}: {name} ...")
+        limit = time_limit_s if name == OURS else peer_time_limit_s
+        row = _run_solver(instance, name, limit, seed, workers)
+        if progress:
+            if "skipped" in row:
+                progress(f"{instance.name}: {name} skipped ({row['skipped']})")
+            else:
+                progress(f"{instance.name}: {name} done in {row['wall_s']:.1f} s")
+        rows.append(row)
+    peer_rows = [r for r in rows if r["solver"] in PEERS and "metrics" in r]
+    best_held = min((r["metrics"]["heldout_cross_domain_bytes_per_step"] for r in peer_rows), default=None)
+    for r in rows:
+        if "metrics" in r and best_held:
+            r["ratio_to_best_peer"] = r["metrics"]["heldout_cross_domain_bytes_per_step"] / best_held
+    ours = next((r for r in rows if r["solver"] == OURS and "metrics" in r), None)
+    bound = None
+    if ours is not None and ours.get("bound_bytes") is not None:
+        bound = {"bytes": ours["bound_bytes"], "source": f"{OURS} proved bound (its own search space, sampled tokens)"}
+    return {
+        "instance": instance.name,
+        "sha256": instance.sha256,
+        "cost_mode": instance.cost_mode,
+        "rows": rows,
+        "bound": bound,
+        "target": target_check(rows),
+    }
+
+
+def _bytes(x: float) -> str:
+    """Decimal units (kB = 10^3 B ... TB = 10^12 B), four significant figures."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:,.4g} {unit}"
+    return f"{x:.0f} B"
+
+
+def markdown_table(result: dict) -> str:
+    """The instance's table (bytes per optimizer step, decimal units) and its target line."""
+    head = (
+        "| solver | cross-domain bytes/step, sampled | held-out | ratio to best peer (held-out) "
+        "| busiest NIC bytes/step (held-out) | expert load max/mean (held-out) | wall s | group-preserving |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    )
+    lines = [f"**{result['instance']}** ({result['cost_mode']})", "", head]
+    for r in result["rows"]:
+        name = r["solver"] + (f" ({r['time_limit_s']:g} s limit)" if r["solver"] == OURS else "")
+        if "metrics" not in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | | |")
+            continue
+        m = r["metrics"]
+        lines.append(
+            f"| {name} | {_bytes(m['cross_domain_bytes_per_step'])} | {_bytes(m['heldout_cross_domain_bytes_per_step'])} "
+            f"| {r.get('ratio_to_best_peer', float('nan')):.3f} | {_bytes(m['heldout_max_gpu_cross_domain_bytes_per_step'])} "
+            f"| {m['heldout_expert_load_max_over_mean']:.3f} | {r['wall_s']:.1f} | {'yes' if r['group_preserving'] else 'no'} |"
+        )
+    bound = result["bound"]
+    lines.append(
+        f"| lower bound | {_bytes(bound['bytes']) if bound else 'n/a'} | | | | | | |"
+    )
+    t = result["target"]
+    if t.get("met") is None:
+        lines.append(f"\ntarget: not checked ({t.get('note')}); best peer on held-out tokens: {t['best_peer']}")
+    else:
+        lines.append(
+            f"\ntarget vs best peer `{t['best_peer']}`: held-out ratio {t['ratio']:.3f} (<= {TARGET_RATIO}: "
+            f"{'yes' if t['ratio_ok'] else 'NO'}); load {t['load_ours']:.3f} vs {t['load_best_peer']:.3f} "
+            f"({'yes' if t['load_ok'] else 'NO'}); wall {t['wall_ours_s']:.1f} s vs {t['wall_best_peer_s']:.1f} s "
+            f"(<= {TARGET_TIME_FACTOR:g}x: {'yes' if t['time_ok'] else 'NO'})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/peers.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--instances", nargs="+", default=None,
+                        help="instance names (in instances/) or paths; default: every committed instance")
+    parser.add_argument("--time-limit", type=float, default=60.0, help=f"seconds for ours ({OURS}); default 60")
+    parser.add_argument("--peer-time-limit", type=float, default=3600.0,
+                        help="seconds for each peer (only kahypar uses it); default 3600")
+    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated peers; default {','.join(PEERS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=None, help="threads/processes per solver; default: all cores")
+    parser.add_argument("--json", default=None, help="write the results as JSON to this file")
+    args = parser.parse_args(argv)
+    peers = tuple(p for p in args.peers.split(",") if p)
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        print(f"--peers: unknown peer(s) {unknown} (choose from {', '.join(PEERS)})", file=sys.stderr)
+        return 2
+    workers = args.workers or default_workers()
+    names = args.instances or _committed_instances()
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    started = time.time()
+    results = []
+    for name in names:
+        try:
+            instance = _load(name)
+        except PlacementError as exc:
+            print(str(exc), file=sys.stderr)
+            return getattr(exc, "exit_code", 1)
+        res = run_instance(instance, peers=peers, time_limit_s=args.time_limit,
+                           peer_time_limit_s=args.peer_time_limit, seed=args.seed, workers=workers,
+                           progress=progress)
+        results.append(res)
+        print(markdown_table(res) + "\n", flush=True)
+    cores = default_workers()
+    print(f"(wall times measured with {workers} worker(s) on {cores} core(s); load average "
+          f"{os.getloadavg()[0]:.1f} at the end; every row's load is in the JSON)")
+    if args.json:
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "command": "python benchmarks/peers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "started_unix_s": started,
+            "workers": workers,
+            "cores": cores,
+            "time_limit_s": args.time_limit,
+            "seed": args.seed,
+            "target": {"ratio": TARGET_RATIO, "time_factor": TARGET_TIME_FACTOR},
+            "instances": results,
+        }
+        atomic_write_text(args.json, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
