@@ -1,7 +1,8 @@
 """placement: topology-aware expert placement for Mixture-of-Experts training.
 
 The public API (see :mod:`placement.api`): :func:`load_instance`, :func:`solve`,
-:func:`evaluate_placement`, :func:`check_placement`, :func:`save_result`, :class:`SignalStop`;
+:func:`evaluate_placement`, :func:`check_placement`, :func:`save_result`,
+:func:`verify_placement`, :func:`export_placement`, :class:`SignalStop`;
 the model in :mod:`placement.model`; the cost model in :mod:`placement.cost`.  Every error raised
 on purpose is a :class:`PlacementError`; its ``exit_code`` is what the CLI exits with.
 """
@@ -16,12 +17,15 @@ from placement.api import (
     check_placement,
     estimate_finish_s,
     evaluate_placement,
+    export_placement,
     load_instance,
     load_placement,
     result_document,
     save_result,
     solve,
+    solver_budget_s,
     solver_names,
+    verify_placement,
 )
 from placement.model import (
     InfeasibleError,
@@ -46,9 +50,12 @@ __all__ = [
     "evaluate_placement",
     "solver_names",
     "estimate_finish_s",
+    "solver_budget_s",
     "solve",
     "save_result",
     "result_document",
+    "verify_placement",
+    "export_placement",
     "SignalStop",
     "Interrupted",
     "SolveOptions",

@@ -17,6 +17,12 @@ instant; default: when ``solve`` is called) within a small margin: the solver ge
 a reserve for checking and scoring its answer, :data:`FINISH_RESERVE_S` plus the scoring time
 (estimated from the instance's size, or passed as ``finish_reserve_s`` by a caller that measured
 it).  Pass the instant before :func:`load_instance` as ``started_at`` to count loading as well.
+
+Two clocks: the solver's *work budget* (``SolveOptions.time_limit_s``, which solvers with
+deterministic budgets size their work by) is :func:`solver_budget_s`: the limit less overheads
+estimated from the instance's size alone, so the same limit gives the same placement on a busy
+or an idle machine.  The wall-clock ``SolveOptions.deadline`` is the safety net that holds the
+limit when the machine is slower than estimated.
 Setting ``stop_event`` (a :class:`threading.Event`) from another thread or a signal handler makes
 the solver return the best complete placement it has found so far; the result then carries
 ``details["interrupted"] = True``.
@@ -40,6 +46,7 @@ from placement.formats import placement_document, read_instance, read_placement,
 from placement.model import Instance, InvalidInputError, Placement, PlacementError, SolverError
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
+    from placement.verify import VerifyReport
     from solvers.base import Consumer, LayoutMode, Objective, SolveResult
 
 __all__ = [
@@ -54,9 +61,13 @@ __all__ = [
     "evaluate_placement",
     "solver_names",
     "estimate_finish_s",
+    "solver_budget_s",
+    "STARTUP_RESERVE_S",
     "solve",
     "result_document",
     "save_result",
+    "verify_placement",
+    "export_placement",
     "Interrupted",
     "SignalStop",
 ]
@@ -69,6 +80,9 @@ FINISH_RESERVE_S = 0.5
 # a conservative figure (the evaluator ran at 60-170 ns per id on the 2-core build machine under
 # load, dsv3_256 and dsv3_1024), so the estimate errs on the early side.
 SCORING_S_PER_EXPERT_ID = 2.5e-7
+# Interpreter start-up, imports and reading the instance, as the solver's work budget assumes them
+# (0.3-0.7 s measured for dsv3_1024 under load); slower starts are caught by the wall deadline.
+STARTUP_RESERVE_S = 1.0
 MAX_SEED = 2**31 - 1  # CP-SAT's random_seed is a 32-bit integer
 MAX_WORKERS = 1024
 
@@ -147,6 +161,17 @@ def estimate_finish_s(instance: Instance) -> float:
     return FINISH_RESERVE_S + SCORING_S_PER_EXPERT_ID * ids
 
 
+def solver_budget_s(instance: Instance, time_limit_s: float) -> float:
+    """The solver's work budget for a command limited to ``time_limit_s`` (deterministic).
+
+    ``time_limit_s`` less :data:`STARTUP_RESERVE_S` (start-up and loading), one scoring estimate
+    for the CLI's default-layout baseline and :func:`estimate_finish_s` (checking, scoring, writing
+    the answer), never below 0.  It depends on the instance's size only, never on the clock.
+    """
+    scoring_s = estimate_finish_s(instance) - FINISH_RESERVE_S
+    return max(0.0, time_limit_s - STARTUP_RESERVE_S - scoring_s - estimate_finish_s(instance))
+
+
 def _check_arguments(
     solver: str,
     time_limit_s: float,
@@ -207,7 +232,8 @@ def solve(
     instance : the problem; the solver sees :meth:`~placement.model.Instance.for_solver` (no
         held-out window), the evaluator scores both windows.
     solver : a name from :func:`solver_names`.
-    time_limit_s : wall-clock budget of the whole call, counted from ``started_at``.
+    time_limit_s : wall-clock budget of the whole call, counted from ``started_at``; the solver
+        works for :func:`solver_budget_s` and returns by the wall deadline at the latest.
     seed : random seed in ``[0, MAX_SEED]``; the same instance, seed and options give the same
         placement when the solver finishes before its deadline.
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
@@ -248,7 +274,7 @@ def solve(
     fn = get_solver(solver)
     reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(
-        time_limit_s=time_limit_s,
+        time_limit_s=solver_budget_s(instance, time_limit_s),
         seed=seed,
         num_workers=num_workers or default_workers(),
         consumer=consumer,
@@ -277,6 +303,45 @@ def solve(
     return dataclasses.replace(
         result, params=params, details=details, metrics=metrics, wall_s=time.monotonic() - start
     )
+
+
+def verify_placement(instance_path: str | os.PathLike[str], placement_path: str | os.PathLike[str]) -> VerifyReport:
+    """Verify a placement file against its instance, independently of the solvers.
+
+    Returns a :class:`placement.verify.VerifyReport`: ``violations`` (empty when valid), the
+    ``checks`` run and ``notes``; see :mod:`placement.verify` for the checks.
+
+    Raises
+    ------
+    InvalidInputError
+        A file cannot be read or parsed.
+    """
+    from placement.verify import verify_files
+
+    return verify_files(instance_path, placement_path)
+
+
+def export_placement(
+    fmt: str,
+    placement_path: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    instance_path: str | os.PathLike[str] | None = None,
+) -> str:
+    """Check a placement file and write it, atomically, in a format a stack reads.
+
+    ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, megatron, torchtitan, slurm,
+    hybridep); every format but vllm needs the instance.  Returns the text written.
+
+    Raises
+    ------
+    InvalidInputError
+        Unreadable files, a placement made for another instance, or one the checker rejects.
+    InfeasibleError
+        The stack cannot take this placement.
+    """
+    from placement.export import export_file
+
+    return export_file(fmt, placement_path, output_path, instance_path)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
-from placement.api import SignalStop
+from placement.api import Interrupted, SignalStop
 from placement.model import InvalidInputError, PlacementError
 
 __all__ = [
@@ -140,21 +140,26 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     if progress is not None:
         left_s = args.time_limit - (time.monotonic() - started_at)
         progress(f"solving {instance.name} with {args.solver}: {left_s:.1f} s left of the {args.time_limit:g} s limit")
-    result = solve(
-        instance,
-        solver=args.solver,
-        time_limit_s=args.time_limit,
-        seed=args.seed,
-        num_workers=args.workers,
-        consumer=args.consumer,
-        group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
-        objective=args.objective,
-        layout=args.layout,
-        progress=progress,
-        started_at=started_at,
-        stop_event=stop.event,
-        finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
-    )
+    try:
+        result = solve(
+            instance,
+            solver=args.solver,
+            time_limit_s=args.time_limit,
+            seed=args.seed,
+            num_workers=args.workers,
+            consumer=args.consumer,
+            group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
+            objective=args.objective,
+            layout=args.layout,
+            progress=progress,
+            started_at=started_at,
+            stop_event=stop.event,
+            finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
+        )
+    except PlacementError:
+        if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
+            raise Interrupted(stop.signum or signal.SIGINT) from None
+        raise
     doc = result_document(instance, result)
     interrupted = stop.event.is_set()
     signame = signal.Signals(stop.signum).name if stop.signum is not None else "a signal"

@@ -251,7 +251,10 @@ def _read_input_file(path: Path, what: str, max_bytes: int, label: str) -> bytes
         raise InvalidInputError(too_big)
     try:
         with path.open("rb") as fh:
-            raw = fh.read(max_bytes + 1)
+            # read(n) allocates n bytes up front: ask for the size stat gave, more only if it grew
+            raw = fh.read(info.st_size + 1)
+            if len(raw) > info.st_size:
+                raw += fh.read(max_bytes + 1 - len(raw))
     except OSError as exc:
         raise InvalidInputError(f"{label}: cannot read {what} file: {exc.strerror or exc}") from None
     if len(raw) > max_bytes:  # grew since stat
