@@ -18,7 +18,7 @@ megatron   per MoE layer the permutation ``phy2log``:       :mod:`placement.chec
 torchtitan new expert slot ``p`` takes old expert              a Megatron-Core / TorchTitan state
            ``phy2log[p]``                                   dict, offline
 slurm      one host name per line, line ``i`` = rank ``i``  ``SLURM_HOSTFILE`` with
-                                                            ``srun --distribution=arbitrary``
+           (and ``OUT.gpus``: per host CUDA_VISIBLE_DEVICES) ``srun --distribution=arbitrary``
 hybridep   ``sh`` file of ``export NAME=VALUE`` lines        DeepEP HybridEP / Megatron ``flex``
            (value chosen per rank when EP groups differ)
 ========== ================================================ =====================================
@@ -50,7 +50,10 @@ __all__ = [
     "expert_permutation",
     "parse_expert_permutation",
     "slurm_hostfile_text",
+    "slurm_gpus_text",
+    "slurm_gpus_path",
     "parse_slurm_hostfile",
+    "parse_slurm_launch",
     "hybridep_rank2n",
     "hybridep_env",
     "hybridep_env_text",
@@ -286,12 +289,25 @@ def parse_expert_permutation(doc: dict | str) -> tuple[dict[int, np.ndarray], di
 # Slurm
 # ---------------------------------------------------------------------------------------------
 def slurm_hostfile_text(instance: Instance, placement: Placement) -> str:
-    """The ``SLURM_HOSTFILE`` for the placement's rank -> GPU map (from :mod:`placement.hostfile`)."""
-    try:
-        from placement.hostfile import slurm_hostfile
-    except ImportError:  # pragma: no cover - the module is written alongside this one
-        raise PlacementError("slurm: placement.hostfile is not available in this installation") from None
+    """The ``SLURM_HOSTFILE`` for the placement's rank -> GPU map (:func:`placement.hostfile.slurm_hostfile`)."""
+    from placement.hostfile import slurm_hostfile
+
     return slurm_hostfile(instance, np.asarray(placement.rank2gpu))
+
+
+def slurm_gpus_text(instance: Instance, placement: Placement) -> str:
+    """``HOST GPU,GPU,...`` lines: per host the ``CUDA_VISIBLE_DEVICES`` its tasks set, so that
+    local rank ``j`` runs on the GPU the placement gives the host's ``j``-th rank
+    (:func:`placement.hostfile.cuda_visible_devices_file`; written beside the hostfile)."""
+    from placement.hostfile import cuda_visible_devices_file
+
+    return cuda_visible_devices_file(instance, np.asarray(placement.rank2gpu))
+
+
+def slurm_gpus_path(hostfile_path: str | os.PathLike) -> Path:
+    """Where the GPU file goes: the hostfile's path with the suffix ``.gpus``."""
+    out = Path(hostfile_path)
+    return out.with_suffix(".gpus") if out.suffix else out.with_name(out.name + ".gpus")
 
 
 def parse_slurm_hostfile(text: str) -> list[str]:
@@ -302,6 +318,38 @@ def parse_slurm_hostfile(text: str) -> list[str]:
         if line:
             hosts.append(line)
     return hosts
+
+
+def parse_slurm_launch(hostfile_text: str, gpus_text: str, instance: Instance) -> np.ndarray:
+    """(world,) ``rank2gpu`` that a launch with these two files produces.
+
+    Slurm gives a host's tasks ``SLURM_LOCALID`` 0, 1, ... in global-rank order; local rank ``j``
+    uses the ``j``-th entry of its host's ``CUDA_VISIBLE_DEVICES``.
+    """
+    cl = instance.cluster
+    host_ids = {cl.host_name(h): h for h in range(cl.num_domains * cl.trays_per_domain)}
+    hosts = parse_slurm_hostfile(hostfile_text)
+    visible: dict[str, list[int]] = {}
+    for n, line in enumerate(gpus_text.splitlines(), 1):
+        if not line.strip():
+            continue
+        name, _, devices = line.strip().partition(" ")
+        try:
+            visible[name] = [int(x) for x in devices.split(",")]
+        except ValueError:
+            raise InvalidInputError(f"gpus file: line {n}: expected 'HOST GPU,GPU,...', found {line!r}") from None
+    taken: dict[str, int] = {}
+    rank2gpu = []
+    for r, name in enumerate(hosts):
+        if name not in host_ids:
+            raise InvalidInputError(f"hostfile: line {r + 1}: unknown host {name!r}")
+        j = taken.get(name, 0)
+        taken[name] = j + 1
+        host_gpus = visible.get(name, list(range(cl.gpus_per_tray)))
+        if j >= len(host_gpus):
+            raise InvalidInputError(f"hostfile: host {name} runs {j + 1} ranks but has {len(host_gpus)} visible GPUs")
+        rank2gpu.append(host_ids[name] * cl.gpus_per_tray + host_gpus[j])
+    return np.asarray(rank2gpu, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,11 +542,12 @@ def export_file(
     placement_path: str | os.PathLike,
     output_path: str | os.PathLike,
     instance_path: str | os.PathLike | None = None,
-) -> str:
+) -> dict[Path, str]:
     """Check, convert and atomically write ``placement_path`` as ``fmt`` to ``output_path``.
 
-    Returns the text written.  Raises ``InvalidInputError`` (exit 2) or ``InfeasibleError``
-    (exit 3: the stack cannot take this placement).
+    ``slurm`` also writes the per-host GPU file beside the hostfile (:func:`slurm_gpus_path`).
+    Returns ``{path: text}`` of the files written.  Raises ``InvalidInputError`` (exit 2) or
+    ``InfeasibleError`` (exit 3: the stack cannot take this placement).
     """
     if fmt not in FORMATS:
         raise InvalidInputError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
@@ -510,14 +559,20 @@ def export_file(
             hint = ""
         raise InvalidInputError(f"--instance: format {fmt} needs the instance file{hint}")
     instance, placement, _ = load_for_export(placement_path, instance_path)
-    text = export_text(fmt, placement, instance)
     out = Path(output_path)
+    files = {out: export_text(fmt, placement, instance)}
+    if fmt == "slurm" and instance is not None:
+        gpus = slurm_gpus_path(out)
+        if gpus == out:
+            raise InvalidInputError(f"-o: {out} ends in .gpus, the name of the GPU file written beside the hostfile")
+        files[gpus] = slurm_gpus_text(instance, placement)
     if out.is_dir():
         raise InvalidInputError(f"-o: {out} is a directory")
     if not out.parent.exists():
         raise InvalidInputError(f"-o: folder {out.parent} does not exist")
-    atomic_write_text(out, text)
-    return text
+    for path, text in files.items():
+        atomic_write_text(path, text)
+    return files
 
 
 # ---------------------------------------------------------------------------------------------

@@ -280,14 +280,29 @@ def test_env_reader():
 # ---------------------------------------------------------------------------------------------
 # Slurm (the host file itself is written by placement.hostfile)
 # ---------------------------------------------------------------------------------------------
-def test_slurm_hostfile_round_trip(tiny):
-    pytest.importorskip("placement.hostfile")
+def test_slurm_launch_round_trip(tiny):
     rng = np.random.default_rng(7)
-    r2g = rng.permutation(tiny.cluster.available_gpus)[: tiny.parallel.world_size]
-    p = Placement(r2g, np.tile(np.arange(tiny.model.num_experts), (tiny.model.num_moe_layers, 1)))
-    hosts = ex.parse_slurm_hostfile(ex.export_text("slurm", p, tiny))
-    assert len(hosts) == tiny.parallel.world_size
-    assert hosts == [tiny.cluster.host_name(tiny.cluster.gpu2host[g]) for g in r2g]
+    for _ in range(10):
+        r2g = rng.permutation(tiny.cluster.available_gpus)[: tiny.parallel.world_size]
+        p = Placement(r2g, np.tile(np.arange(tiny.model.num_experts), (tiny.model.num_moe_layers, 1)))
+        hostfile = ex.export_text("slurm", p, tiny)
+        hosts = ex.parse_slurm_hostfile(hostfile)
+        assert hosts == [tiny.cluster.host_name(tiny.cluster.gpu2host[g]) for g in r2g]
+        # with the per-host CUDA_VISIBLE_DEVICES file, a launch puts every rank on its GPU
+        np.testing.assert_array_equal(ex.parse_slurm_launch(hostfile, ex.slurm_gpus_text(tiny, p), tiny), r2g)
+
+
+def test_slurm_export_writes_the_gpu_file_beside(tmp_path, capsys, tiny):
+    r2g = default_placement(tiny).rank2gpu[::-1].copy()  # ranks in reverse: local ranks need a map
+    p = Placement(r2g, default_placement(tiny).phy2log)
+    ppath = tmp_path / "p.json"
+    write_placement(ppath, placement_document(tiny, p, solver="x"))
+    out = tmp_path / "job.hosts"
+    assert main(["export", str(ppath), "--format", "slurm", "-o", str(out), "--instance", str(INSTANCES / "tiny.json")]) == 0
+    assert "job.gpus" in capsys.readouterr().out
+    gpus = tmp_path / "job.gpus"
+    np.testing.assert_array_equal(ex.parse_slurm_launch(out.read_text(), gpus.read_text(), tiny), r2g)
+    assert ex.slurm_gpus_path(tmp_path / "hosts") == tmp_path / "hosts.gpus"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,11 +314,6 @@ def test_cli_export_every_format_matches_the_api(tmp_path, capsys):
     p = Placement(np.arange(8), random_expert_map(rng, inst, preserving=True))
     ipath, ppath, inst = write_pair(tmp_path, inst, p)
     for fmt in ex.FORMATS:
-        if fmt == "slurm":
-            try:
-                import placement.hostfile  # noqa: F401
-            except ImportError:
-                continue
         out = tmp_path / f"out.{fmt}"
         assert main(["export", str(ppath), "--format", fmt, "-o", str(out), "--instance", str(ipath)]) == 0, capsys.readouterr().err
         assert out.read_text() == ex.export_text(fmt, p, inst)
