@@ -209,8 +209,9 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
 def _cmd_export(args: argparse.Namespace) -> int:
     from placement.export import export_file
 
-    text = export_file(args.format, args.placement, args.output, args.instance)
-    print(f"wrote {args.output} ({args.format}, {len(text.encode()):,} bytes)")
+    files = export_file(args.format, args.placement, args.output, args.instance)
+    for path, text in files.items():
+        print(f"wrote {path} ({args.format}, {len(text.encode()):,} bytes)")
     return EXIT_OK
 
 
