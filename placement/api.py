@@ -37,6 +37,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -326,11 +327,12 @@ def export_placement(
     placement_path: str | os.PathLike[str],
     output_path: str | os.PathLike[str],
     instance_path: str | os.PathLike[str] | None = None,
-) -> str:
+) -> dict[Path, str]:
     """Check a placement file and write it, atomically, in a format a stack reads.
 
     ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, megatron, torchtitan, slurm,
-    hybridep); every format but vllm needs the instance.  Returns the text written.
+    hybridep); every format but vllm needs the instance.  Returns ``{path: text}`` of the files
+    written (``slurm`` writes a per-host GPU file beside the host file).
 
     Raises
     ------

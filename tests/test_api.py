@@ -166,14 +166,38 @@ def test_load_placement_checks_against_the_instance(tiny, tmp_path):
         placement.load_placement(tiny, tmp_path / "p.json")
 
 
+def test_a_failed_write_keeps_the_previous_file_and_leaves_no_temporary(tiny, tmp_path, monkeypatch):
+    result = placement.solve(tiny)
+    out = tmp_path / "p.json"
+    out.write_text("previous")
+
+    def interrupted_replace(src, dst):
+        raise KeyboardInterrupt  # e.g. a second Ctrl-C between writing and renaming
+
+    monkeypatch.setattr(os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        placement.save_result(tiny, result, out)
+    assert out.read_text() == "previous" and os.listdir(tmp_path) == ["p.json"]
+    monkeypatch.undo()
+    placement.save_result(tiny, result, out)
+    assert read_placement(out)[1]["instance"]["sha256"] == tiny.sha256
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_verify_and_export_through_the_api(tiny, tmp_path):
     result = placement.solve(tiny, seed=0)
     placement.save_result(tiny, result, tmp_path / "p.json")
     rep = placement.verify_placement(TINY, tmp_path / "p.json")
     assert rep.violations == [] and rep.checks
-    text = placement.export_placement("slurm", tmp_path / "p.json", tmp_path / "hosts", TINY)
-    assert (tmp_path / "hosts").read_text() == text
-    assert len(text.splitlines()) == tiny.parallel.world_size
+    placement.export_placement("sglang", tmp_path / "p.json", tmp_path / "sglang.json", TINY)
+    rows = json.loads((tmp_path / "sglang.json").read_text())["physical_to_logical_map"]
+    assert len(rows) == tiny.model.num_layers
     with pytest.raises(placement.InvalidInputError):
         placement.verify_placement(TINY, tmp_path / "missing.json")
 
