@@ -201,9 +201,25 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     ]:
         ratio = m[key] / b[key] if b[key] else float("nan")
         print(f"  {label:<38}{fmt(b[key]):>16}{fmt(m[key]):>16}{ratio:>8.3f}")
+    print("\n".join(_footprint_lines(instance, result)))
     if args.output:
         print(f"  wrote {args.output}")
     return EXIT_OK
+
+
+def _footprint_lines(instance, result) -> list[str]:
+    """Each pipeline stage's GPUs per NVLink domain: one line per stage that straddles domains."""
+    from solvers.layout import stage_footprints
+
+    feet = (result.details.get("layout") or {}).get("stage_footprints") if isinstance(result.details, dict) else None
+    if feet is None:
+        feet = stage_footprints(instance, result.placement.rank2gpu)
+    whole = [f"s{s} d{f[0][0]}" for s, f in enumerate(feet) if len(f) == 1]
+    lines = [f"  stages inside one NVLink domain: {len(whole)} of {len(feet)}" + (f" ({', '.join(whole)})" if whole else "")]
+    for s, f in enumerate(feet):
+        if len(f) > 1:
+            lines.append(f"  stage {s} over {len(f)} domains (domain:GPUs): " + " + ".join(f"d{d}:{n}" for d, n in f))
+    return lines
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -1,0 +1,389 @@
+"""The rank-layout optimizer (solvers/layout.py) and the Slurm hostfile (placement/hostfile.py)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from placement.checker import check, deepep_violations
+from placement.cost import evaluate
+from placement.model import Cluster, InfeasibleError, Instance, Placement
+from solvers.base import SolveOptions
+from solvers.default import default_rank2gpu
+from solvers.layout import (
+    BlockScorer,
+    FootprintModel,
+    _Tokens,
+    _crossings,
+    estimate_layout,
+    layout_blocks,
+    place_on_parts,
+    plan_layout,
+    shape_candidates,
+    stage_footprints,
+)
+from tests.conftest import random_instance
+
+
+def _with_available(inst: Instance, available: np.ndarray) -> Instance:
+    cl = inst.cluster
+    cluster = Cluster(cl.num_domains, cl.trays_per_domain, cl.gpus_per_tray, available, cl.nvlink_gbps, cl.scaleout_gbps)
+    return Instance(inst.name, inst.model, inst.parallel, cluster, inst.routing, inst.cost_mode)
+
+
+def _plan(inst: Instance, **kw) -> "object":
+    opts = SolveOptions(num_workers=1, **kw)
+    return plan_layout(inst.for_solver(), opts, deadline=time.monotonic() + 60)
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes
+# ---------------------------------------------------------------------------------------------
+def _brute_partitions(n: int, unit: int, max_part: int, max_parts: int) -> set[tuple[int, ...]]:
+    out = set()
+    units = n // unit
+    for m in range(1, max_parts + 1):
+        for combo in itertools.product(range(1, units + 1), repeat=m):
+            if sum(combo) == units and max(combo) * unit <= max_part:
+                out.add(tuple(sorted((c * unit for c in combo), reverse=True)))
+    return out
+
+
+@pytest.mark.parametrize("n,unit,max_part,max_parts", [(8, 2, 8, 3), (12, 2, 8, 4), (16, 4, 12, 4), (9, 3, 9, 3)])
+def test_shape_candidates_are_all_partitions(n, unit, max_part, max_parts):
+    got = shape_candidates(n, unit, max_part, max_parts)
+    assert len(got) == len(set(got))
+    assert set(got) == _brute_partitions(n, unit, max_part, max_parts)
+    assert all(list(s) == sorted(s, reverse=True) for s in got)
+
+
+def test_equal_shapes_only_for_deepep():
+    got = shape_candidates(16, 2, 16, 8, equal_only=True)
+    assert got == [(16,), (8, 8), (4, 4, 4, 4), (2,) * 8]
+    assert shape_candidates(16, 2, 6, 8, equal_only=True) == [(4, 4, 4, 4), (2,) * 8]
+
+
+# ---------------------------------------------------------------------------------------------
+# experts on parts: exact counts, per_pair optimum, never worse than the contiguous map
+# ---------------------------------------------------------------------------------------------
+def _recount(topk, src_part, e2p, mode):
+    out = 0
+    for t in range(topk.shape[0]):
+        parts = [int(e2p[e]) for e in topk[t]]
+        if mode == "per_pair":
+            out += sum(p != src_part[t] for p in parts)
+        else:
+            out += len(set(parts) - {int(src_part[t])})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["per_domain", "per_pair"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_place_on_parts_counts_exactly_and_beats_contiguous(mode, seed):
+    rng = np.random.default_rng(seed)
+    E, ep, k, n = 8, 4, 2, 40
+    topk = np.stack([rng.choice(E, size=k, replace=False) for _ in range(n)])
+    src = rng.integers(0, ep, size=n)
+    part_of_ep = np.array([0, 0, 0, 1])
+    tok = _Tokens(topk, src, E)
+    pl = place_on_parts(tok, part_of_ep, 2, experts_per_rank=2, mode=mode, group_size=None)
+    assert np.bincount(pl.expert2part, minlength=2).tolist() == [6, 2]
+    src_part = part_of_ep[src]
+    assert pl.crossings == _recount(topk, src_part, pl.expert2part, mode)
+    contiguous = np.repeat(part_of_ep, 2)
+    assert pl.crossings <= _recount(topk, src_part, contiguous, mode)
+    if mode == "per_pair":  # exact: an assignment problem; compare with every map
+        best = min(
+            _recount(topk, src_part, np.array([1 if e in small else 0 for e in range(E)]), mode)
+            for small in itertools.combinations(range(E), 2)
+        )
+        assert pl.crossings == best
+
+
+def test_place_on_parts_group_preserving_keeps_groups_on_blocks():
+    rng = np.random.default_rng(3)
+    E, gs = 16, 4
+    topk = np.stack([rng.choice(E, size=3, replace=False) for _ in range(60)])
+    src = rng.integers(0, 8, size=60)
+    part_of_ep = np.array([0, 0, 0, 0, 0, 1, 1, 1])  # 2 slots per rank: block 2 is split 2/2
+    tok = _Tokens(topk, src, E)
+    pl = place_on_parts(tok, part_of_ep, 2, experts_per_rank=2, mode="per_domain", group_size=gs)
+    slot2part = np.repeat(part_of_ep, 2)
+    assert sorted(pl.group2block.tolist()) == [0, 1, 2, 3]
+    for g, blk in enumerate(pl.group2block):
+        want = np.bincount(slot2part[blk * gs : (blk + 1) * gs], minlength=2)
+        assert np.bincount(pl.expert2part[g * gs : (g + 1) * gs], minlength=2).tolist() == want.tolist()
+    assert pl.crossings == int(_crossings(tok, pl.expert2part, part_of_ep[src], 2, "per_domain").sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimator agrees with the evaluator
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["per_domain", "per_pair"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_estimate_matches_evaluator(mode, tp):
+    rng = np.random.default_rng(11 + tp)
+    inst = random_instance(rng, num_experts=16, top_k=3, ep=4, dp=4 // tp if tp > 1 else 4, tp=tp, pp=2,
+                           num_domains=4, trays_per_domain=2, gpus_per_tray=2, tokens=12, moe_layers=4, cost_mode=mode)
+    if tp > 1:  # ep = tp * dp: one EP group per stage holds two TP pairs
+        inst = random_instance(rng, num_experts=16, top_k=3, ep=4, dp=2, tp=2, pp=2, num_domains=4,
+                               trays_per_domain=2, gpus_per_tray=2, tokens=12, moe_layers=4, cost_mode=mode)
+    for trial in range(3):
+        r2g = rng.permutation(inst.cluster.num_gpus)[: inst.parallel.world_size]
+        # keep TP pairs inside one domain (the layout's invariant)
+        if tp > 1:
+            doms = np.repeat(rng.permutation(inst.cluster.num_domains), inst.cluster.gpus_per_domain)
+            r2g = np.argsort(doms, kind="stable")[: inst.parallel.world_size]
+        est = estimate_layout(inst, r2g, group_preserving=False)
+        placement = Placement(r2g, est["phy2log"])
+        assert check(inst, placement) == []
+        m = evaluate(inst, placement)
+        assert est["total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9)
+        assert est["stage_bytes"] == pytest.approx(m.cross_domain_bytes_per_stage, rel=1e-9)
+
+
+def test_estimate_group_preserving_map_is_group_preserving(tiny):
+    from placement.checker import violates_group_preservation
+
+    r2g = default_rank2gpu(tiny)
+    est = estimate_layout(tiny, r2g, group_preserving=True)
+    placement = Placement(r2g, est["phy2log"])
+    assert check(tiny, placement) == [] and violates_group_preservation(tiny, placement) == []
+    assert est["total_bytes"] == pytest.approx(evaluate(tiny, placement).cross_domain_bytes_per_step)
+
+
+# ---------------------------------------------------------------------------------------------
+# the footprint model
+# ---------------------------------------------------------------------------------------------
+def test_footprint_model_matches_brute_force():
+    """Three blocks of 4 GPUs on domains with 5, 4, 3 free: the MILP's optimum is the brute force's."""
+    free = np.array([5, 4, 3])
+    shapes = [shape_candidates(4, 1, 5, 3) for _ in range(3)]
+    rng = np.random.default_rng(0)
+    cost = [[0.0 if len(sh) == 1 else float(rng.integers(1, 50)) for sh in s] for s in shapes]
+    tim = [[1.0] * len(s) for s in shapes]
+    model = FootprintModel([4, 4, 4], shapes, free, cost, tim)
+    status, feet, total, _ = model.solve("total", time_limit_s=30)
+    assert status == "OPTIMAL"
+    best = np.inf
+    # brute force over every way to split each block over the domains
+    splits = [c for c in itertools.product(range(6), repeat=3) if sum(c) == 4]
+    for a, b, c in itertools.product(splits, repeat=3):
+        if any(a[d] + b[d] + c[d] > free[d] for d in range(3)):
+            continue
+        val = 0.0
+        for bi, foot in enumerate((a, b, c)):
+            sh = tuple(sorted((v for v in foot if v), reverse=True))
+            val += cost[bi][shapes[bi].index(sh)]
+        best = min(best, val)
+    assert total == pytest.approx(best)
+    for d in range(3):
+        assert sum(f.get(d, 0) for f in feet) <= free[d]
+    assert all(sum(f.values()) == 4 for f in feet)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan_layout
+# ---------------------------------------------------------------------------------------------
+def _fragmented(seed: int = 0, **kw) -> Instance:
+    """Every EP group (4 GPUs) fits a domain (4 GPUs), but one GPU down makes the default straddle."""
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=16, top_k=3, ep=4, dp=4, pp=2, num_domains=4, trays_per_domain=2,
+                           gpus_per_tray=2, tokens=16, moe_layers=4, **kw)
+    available = np.ones(inst.cluster.num_gpus, dtype=bool)
+    available[1] = False
+    return _with_available(inst, available)
+
+
+def test_zero_cross_domain_when_every_group_fits_a_rack():
+    inst = _fragmented()
+    default = Placement(default_rank2gpu(inst), np.tile(np.arange(16), (4, 1)))
+    assert evaluate(inst, default).cross_domain_bytes_per_step > 0  # the default straddles
+    plan = _plan(inst)
+    placement = Placement(plan.rank2gpu, np.tile(np.arange(16), (4, 1)))
+    assert check(inst, placement) == []
+    assert evaluate(inst, placement).cross_domain_bytes_per_step == 0.0
+    assert plan.details["estimated_total_bytes"] == 0.0
+    assert all(len(f) == 1 for f in plan.details["stage_footprints"])
+
+
+def test_zero_cross_domain_on_a_built_instance_with_racks_to_spare():
+    """The committed tiny spec on one more domain: every EP group (8) fits one domain (8 GPUs)."""
+    import dataclasses
+
+    from placement.instances import SPECS, build
+
+    spec = dataclasses.replace(SPECS["tiny"], num_domains=6, trays_per_domain=4, gpus_per_tray=2, trays_down=5)
+    inst = build(spec)
+    plan = _plan(inst)
+    placement = Placement(plan.rank2gpu, np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1)))
+    assert check(inst, placement) == []
+    assert evaluate(inst, placement).cross_domain_bytes_per_step == 0.0
+
+
+def test_plan_is_never_worse_than_default_and_straddlers_get_fewest_layers(tiny):
+    plan = _plan(tiny)
+    est = plan.details["estimate"]
+    assert est["total_bytes"] <= plan.details["default_estimate"]["total_bytes"]
+    placement = Placement(plan.rank2gpu, plan.phy2log)
+    assert check(tiny, placement) == []
+    assert evaluate(tiny, placement).cross_domain_bytes_per_step == pytest.approx(est["total_bytes"])
+    assert plan.details["objective"] == "total"
+    assert {"estimated_total_bytes", "estimated_slowest_stage_s"} <= set(plan.details)
+
+
+def test_bottleneck_objective_reports_both(tiny):
+    tot = _plan(tiny)
+    bot = _plan(tiny, objective="bottleneck")
+    assert bot.details["estimated_slowest_stage_s"] <= tot.details["estimated_slowest_stage_s"] + 1e-12
+    assert tot.details["estimated_total_bytes"] <= bot.details["estimated_total_bytes"] + 1e-6
+    for p in (tot, bot):
+        assert p.details["estimated_total_bytes"] >= 0 and p.details["estimated_slowest_stage_s"] > 0
+
+
+def test_deterministic(tiny):
+    a, b = _plan(tiny, seed=3), _plan(tiny, seed=3)
+    assert a.rank2gpu.tolist() == b.rank2gpu.tolist()
+    assert a.phy2log.tolist() == b.phy2log.tolist()
+
+
+def test_deepep_rule_holds_when_asked():
+    """EP 4 on domains of 4 GPUs with two GPUs down: some group must straddle, in equal halves."""
+    rng = np.random.default_rng(5)
+    inst = random_instance(rng, num_experts=16, top_k=3, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=2,
+                           gpus_per_tray=2, tokens=16, moe_layers=4)
+    available = np.ones(12, dtype=bool)
+    available[[0, 1, 8, 9]] = False  # free GPUs per domain: 2, 4, 2
+    inst = _with_available(inst, available)
+    plan = _plan(inst, consumer="deepep")
+    placement = Placement(plan.rank2gpu, np.tile(np.arange(16), (4, 1)))
+    assert check(inst, placement) == [] and deepep_violations(inst, placement) == []
+    assert sorted(len(f) for f in plan.details["stage_footprints"]) == [1, 2]
+
+
+def test_deepep_rule_that_cannot_hold_is_infeasible():
+    """Domains with 3, 3 and 2 free GPUs: an EP group of 4 cannot take equal slices."""
+    rng = np.random.default_rng(6)
+    inst = random_instance(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=2,
+                           gpus_per_tray=2, tokens=8, moe_layers=2)
+    available = np.ones(12, dtype=bool)
+    available[[0, 4, 8, 9]] = False
+    inst = _with_available(inst, available)
+    with pytest.raises(InfeasibleError, match="equal consecutive slices"):
+        _plan(inst, consumer="deepep")
+    _plan(inst)  # without the rule it is feasible
+
+
+def test_too_few_gpus_is_infeasible():
+    inst = _fragmented()
+    available = np.zeros(inst.cluster.num_gpus, dtype=bool)
+    available[:6] = True
+    with pytest.raises(InfeasibleError, match="needs 8 GPUs"):
+        _plan(_with_available(inst, available))
+
+
+def test_deadline_is_honoured(tiny):
+    t0 = time.monotonic()
+    plan = plan_layout(tiny, SolveOptions(num_workers=1), deadline=t0 + 0.3)
+    assert time.monotonic() - t0 < 5.0
+    assert check(tiny, Placement(plan.rank2gpu, plan.phy2log)) == []
+
+
+def test_tp_groups_stay_in_a_tray():
+    rng = np.random.default_rng(8)
+    inst = random_instance(rng, num_experts=16, top_k=3, ep=4, dp=4, tp=2, pp=1, num_domains=3, trays_per_domain=2,
+                           gpus_per_tray=4, tokens=8, moe_layers=2)
+    available = np.ones(24, dtype=bool)
+    available[[0, 1, 2, 3]] = False
+    inst = _with_available(inst, available)
+    plan = _plan(inst)
+    host = inst.cluster.gpu2host[plan.rank2gpu]
+    assert (host[0::2] == host[1::2]).all()
+    assert plan.details["tp_cp_groups_split_across_trays"] == 0
+
+
+def test_blocks_partition_the_world(tiny):
+    blocks = layout_blocks(tiny)
+    ranks = np.sort(np.concatenate([b.ranks for b in blocks]))
+    assert ranks.tolist() == list(range(tiny.parallel.world_size))
+    assert [b.stage for b in blocks] == [0, 1]
+
+
+def test_stage_footprints_counts(tiny):
+    feet = stage_footprints(tiny, default_rank2gpu(tiny))
+    assert [sum(c for _, c in f) for f in feet] == [8, 8]
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm hostfile
+# ---------------------------------------------------------------------------------------------
+def test_slurm_hostfile_one_host_per_rank(tiny):
+    from placement.hostfile import cuda_visible_devices, local_rank_mismatches, slurm_hostfile
+
+    plan = _plan(tiny)
+    lines = slurm_hostfile(tiny, plan.rank2gpu).splitlines()
+    cl = tiny.cluster
+    assert len(lines) == tiny.parallel.world_size
+    assert lines == [cl.host_name(int(cl.gpu2host[g])) for g in plan.rank2gpu]
+    # every host's ranks take its GPUs in rank order
+    cvd = cuda_visible_devices(tiny, plan.rank2gpu)
+    for host, value in cvd.items():
+        gpus = [int(x) for x in value.split(",")]
+        assert gpus == sorted(gpus)
+    # a host running fewer ranks than GPUs (tiny: one host runs 1 of 2) is reported when the
+    # placement's GPU is not local index 0
+    r2g = plan.rank2gpu.copy()
+    assert isinstance(local_rank_mismatches(tiny, r2g), list)
+
+
+def test_cuda_visible_devices_when_a_host_runs_fewer_ranks():
+    from placement.hostfile import cuda_visible_devices, local_rank_mismatches
+
+    rng = np.random.default_rng(0)
+    inst = random_instance(rng, num_experts=8, top_k=2, ep=2, dp=2, pp=1, num_domains=1, trays_per_domain=2,
+                           gpus_per_tray=2)
+    r2g = np.array([3, 0])  # rank 0 on host 1 local GPU 1; rank 1 on host 0 local GPU 0
+    assert cuda_visible_devices(inst, r2g) == {"rack00-tray00": "0", "rack00-tray01": "1"}
+    assert len(local_rank_mismatches(inst, r2g)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI: exit 3 with a reason
+# ---------------------------------------------------------------------------------------------
+def _write(inst: Instance, tmp_path) -> str:
+    from placement.formats import write_instance
+
+    path = tmp_path / "inst.json"
+    write_instance(inst, path)
+    return str(path)
+
+
+def test_cli_exits_3_when_deepep_rule_cannot_hold(tmp_path, capsys):
+    from placement.cli import main
+
+    rng = np.random.default_rng(6)
+    inst = random_instance(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=2,
+                           gpus_per_tray=2, tokens=8, moe_layers=2)
+    available = np.ones(12, dtype=bool)
+    available[[0, 4, 8, 9]] = False
+    path = _write(_with_available(inst, available), tmp_path)
+    code = main(["solve", path, "--solver", "cpsat", "--consumer", "deepep", "--time-limit", "20", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "equal consecutive slices" in err and "deepep" in err
+
+
+def test_cli_exits_3_when_too_few_gpus(tmp_path, capsys):
+    from placement.cli import main
+
+    inst = _fragmented()
+    available = np.zeros(inst.cluster.num_gpus, dtype=bool)
+    available[:6] = True
+    path = _write(_with_available(inst, available), tmp_path)
+    code = main(["solve", path, "--solver", "cpsat", "--time-limit", "20", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "needs 8 GPUs" in err
