@@ -20,6 +20,7 @@ from placement.model import Cluster, Instance, Placement
 
 __all__ = [
     "SOLVER",
+    "NUM_WORKERS",
     "pick_solver",
     "dsv3_variant",
     "with_available",
@@ -37,6 +38,10 @@ def pick_solver() -> str:
 
 
 SOLVER = pick_solver()
+
+#: Solver processes for the notebooks' solves.  One: the instances here are small, and on a shared
+#: 2-core machine starting a process pool (spawn) costs more than the parallel layers save.
+NUM_WORKERS = 1
 
 
 def _stage_sizes(num_dense: int, num_moe: int, pp: int) -> tuple[int, ...]:
