@@ -273,7 +273,8 @@ def kahypar_phy2log(
 ) -> tuple[np.ndarray, list[dict]]:
     """(num_moe_layers, E) expert maps by Mt-KaHyPar plus within-block balancing, and per-layer facts.
 
-    Layers not reached by ``options.deadline`` keep the contiguous map (reported in the facts).
+    Layers not reached by ``options.deadline`` (or before a stop request) keep the contiguous map,
+    reported in the facts.
     """
     m = instance.model
     topk = instance.routing.topk
@@ -286,7 +287,7 @@ def kahypar_phy2log(
     phy2log = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
     facts: list[dict] = []
     for li in range(m.num_moe_layers):
-        if time.monotonic() >= deadline:
+        if options.stop_requested() or time.monotonic() >= deadline:
             facts.append({"layer": li, "solved": False})
             continue
         s = int(stage_of[li])

@@ -326,3 +326,14 @@ def test_target_check_against_hand_made_rows():
     t = bench.target_check(rows)
     assert t["ratio_ok"] and not t["load_ok"] and not t["time_ok"]
     assert bench.target_check(rows[:2])["met"] is None
+
+
+def test_kahypar_stops_at_the_deadline_with_a_valid_placement(tiny):
+    pytest.importorskip("mtkahypar")
+    import time
+
+    options = SolveOptions(time_limit_s=1, seed=0, num_workers=1, deadline=time.monotonic() - 1)
+    result = SOLVERS["kahypar"](tiny.for_solver(), options)
+    assert result.details["unsolved_layers"] == list(range(tiny.model.num_moe_layers))
+    assert check(tiny, result.placement) == []
+    assert (result.placement.phy2log == default_placement(tiny).phy2log).all()
