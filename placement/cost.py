@@ -126,12 +126,30 @@ def _window_topk(instance: Instance, window: Window) -> np.ndarray:
     return instance.routing.heldout_topk
 
 
-def _sorted_first(domains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sort each row and mark the first occurrence of every distinct value."""
-    d = np.sort(domains, axis=-1)
-    first = np.ones_like(d, dtype=bool)
-    first[..., 1:] = d[..., 1:] != d[..., :-1]
-    return d, first
+def _first_occurrence(values: np.ndarray) -> np.ndarray:
+    """(..., k) bool: True where an entry differs from every earlier entry of its row.
+
+    Rows stay in their order; only which entries are marked matters to the callers, which count
+    them, so the result equals marking the first of each run after a sort.  Short rows (top-k is 8
+    for DeepSeek-V3) compare pairwise, which is much faster than sorting millions of tiny rows.
+    """
+    k = values.shape[-1]
+    if k > 16:
+        order = np.argsort(values, axis=-1, kind="stable")
+        d = np.take_along_axis(values, order, axis=-1)
+        first_sorted = np.ones(d.shape, dtype=bool)
+        first_sorted[..., 1:] = d[..., 1:] != d[..., :-1]
+        first = np.empty_like(first_sorted)
+        np.put_along_axis(first, order, first_sorted, axis=-1)
+        return first
+    cols = np.ascontiguousarray(values.reshape(-1, k).T)  # (k, tokens): contiguous columns
+    first = np.ones(cols.shape, dtype=bool)
+    for j in range(1, k):
+        seen = cols[0] == cols[j]
+        for i in range(1, j):
+            seen |= cols[i] == cols[j]
+        np.logical_not(seen, out=first[j])
+    return np.ascontiguousarray(first.T).reshape(values.shape)
 
 
 def remote_domains_per_token(token_domains: np.ndarray, src_domain: np.ndarray) -> np.ndarray:
@@ -151,8 +169,8 @@ def remote_domains_per_token(token_domains: np.ndarray, src_domain: np.ndarray) 
     >>> remote_domains_per_token(np.array([[0, 1, 1, 2], [0, 0, 0, 0]]), np.array([0, 1]))
     array([2, 1])
     """
-    d, first = _sorted_first(token_domains)
-    return (first & (d != src_domain[..., None])).sum(axis=-1)
+    first = _first_occurrence(token_domains)
+    return (first & (token_domains != src_domain[..., None])).sum(axis=-1)
 
 
 def evaluate(
@@ -179,7 +197,7 @@ def evaluate(
     """
     mode: CostMode = cost_mode or instance.cost_mode
     model, par, cl = instance.model, instance.parallel, instance.cluster
-    topk = _window_topk(instance, window).astype(np.int64)  # (L, dp, T, k)
+    topk = _window_topk(instance, window)  # (L, dp, T, k)
     num_layers, dp, tokens, k = topk.shape
     if layout is None or layout.src_rank.shape[2] != tokens:
         layout = LayoutIndex(instance, placement.rank2gpu, tokens)
@@ -196,39 +214,41 @@ def evaluate(
     src_gpu = layout.rank2gpu[src_rank]
     src_dom = gpu2domain[src_gpu]
     src_group = layout.rank2group[src_rank]  # (L, dp, T)
-    eprank = np.take_along_axis(e2r[:, None, None, :], topk.reshape(num_layers, 1, 1, -1), axis=3)
-    eprank = eprank.reshape(topk.shape)  # (L, dp, T, k)
-    st = layer_stage[:, None, None, None]
-    tgt_gpu = layout.group_gpu[st, src_group[..., None], eprank]  # (L, dp, T, k)
-    tgt_dom = gpu2domain[tgt_gpu]
+    # GPU of every (layer, EP group, expert), then one flat gather for every (token, expert).
+    num_experts = e2r.shape[1]
+    ngroups = layout.groups.shape[1]
+    # The (token, expert) arrays hold GPU and domain ids in the smallest integer type that fits.
+    gpu_t = np.int16 if ngpu < 2**15 else np.int32
+    expert_gpu = layout.group_gpu[layer_stage[:, None, None], np.arange(ngroups)[None, :, None], e2r[:, None, :]]
+    row = (np.arange(num_layers)[:, None, None] * ngroups + src_group) * num_experts  # (L, dp, T)
+    tgt_gpu = expert_gpu.astype(gpu_t).reshape(-1)[row[..., None] + topk]  # (L, dp, T, k)
+    tgt_dom = gpu2domain.astype(gpu_t)[tgt_gpu]
     remote_pair = tgt_dom != src_dom[..., None]
 
-    layer_ix = np.broadcast_to(np.arange(num_layers)[:, None, None], src_gpu.shape)
-    # Per-layer, per-GPU counters of copies (NIC one direction) and NVLink receptions.
+    # Per-layer, per-GPU counters of copies (NIC one direction) and NVLink receptions, indexed by
+    # flat (layer, GPU) keys; every (token, expert) gets its key once.
     nic = np.zeros((num_layers, ngpu), dtype=np.float64)
     nvl = np.zeros((num_layers, ngpu), dtype=np.float64)
+    cells = num_layers * ngpu
+    key_t = np.int32 if num_layers * max(ngpu, ngroups * nd) < 2**31 else np.int64
+    layer_base = np.arange(num_layers, dtype=key_t)[:, None, None] * ngpu  # (L, 1, 1)
+    tgt_key = layer_base[..., None] + tgt_gpu  # (L, dp, T, k)
 
-    def add(counter: np.ndarray, layers: np.ndarray, gpus: np.ndarray, w: np.ndarray | float) -> None:
-        flat = layers.reshape(-1) * ngpu + gpus.reshape(-1)
-        wts = None if np.isscalar(w) else np.asarray(w).reshape(-1)
-        counter += np.bincount(flat, weights=wts, minlength=num_layers * ngpu).reshape(
-            num_layers, ngpu
-        ) * (w if np.isscalar(w) else 1.0)
+    def count(counter: np.ndarray, keys: np.ndarray) -> None:
+        """counter[layer, gpu] += how often each flat key occurs (exact integer counts)."""
+        counter += np.bincount(keys.reshape(-1), minlength=cells).reshape(num_layers, ngpu)
 
     remote_pairs_per_token = remote_pair.sum(axis=-1)  # (L, dp, T)
-    d_sorted, d_first = _sorted_first(tgt_dom)
-    remote_dom_mask = d_first & (d_sorted != src_dom[..., None])  # (L, dp, T, k)
+    # Distinct domains are counted, so the order of a token's experts does not matter.
+    remote_dom_mask = _first_occurrence(tgt_dom) & remote_pair  # (L, dp, T, k)
     remote_doms_per_token = remote_dom_mask.sum(axis=-1)
 
     if mode == "per_domain":
         crossings_per_token = remote_doms_per_token
         # Receivers: an even share over the group's GPUs in each remote domain.
         counts = layout.group_domain_counts  # (pp, G, nd)
-        lay_b = np.broadcast_to(layer_ix[..., None], d_sorted.shape)
-        grp_b = np.broadcast_to(src_group[..., None], d_sorted.shape)
-        key = (lay_b[remote_dom_mask] * counts.shape[1] + grp_b[remote_dom_mask]) * nd + d_sorted[
-            remote_dom_mask
-        ]
+        group_key = (np.arange(num_layers, dtype=key_t)[:, None, None] * ngroups + src_group) * nd  # (L, dp, T)
+        key = (group_key[..., None] + tgt_dom)[remote_dom_mask]
         into = np.bincount(key, minlength=num_layers * counts.shape[1] * nd).reshape(
             num_layers, counts.shape[1], nd
         )  # crossings into (layer, group, domain)
@@ -240,16 +260,18 @@ def evaluate(
                 share = into[li, g, doms] / counts[s, g, doms]
                 np.add.at(nic[li], gpus, share)
         # NVLink: distinct target GPUs other than the source GPU.
-        g_sorted, g_first = _sorted_first(tgt_gpu)
-        nv_mask = g_first & (g_sorted != src_gpu[..., None])
-        add(nvl, np.broadcast_to(layer_ix[..., None], g_sorted.shape)[nv_mask], g_sorted[nv_mask], 1.0)
+        nv_mask = _first_occurrence(tgt_gpu) & (tgt_gpu != src_gpu[..., None])
+        count(nvl, tgt_key[nv_mask])
     else:
         crossings_per_token = remote_pairs_per_token
-        lay_b = np.broadcast_to(layer_ix[..., None], tgt_gpu.shape)
-        add(nic, lay_b[remote_pair], tgt_gpu[remote_pair], 1.0)
+        count(nic, tgt_key[remote_pair])
         local_other = (~remote_pair) & (tgt_gpu != src_gpu[..., None])
-        add(nvl, lay_b[local_other], tgt_gpu[local_other], 1.0)
-    add(nic, layer_ix, src_gpu, crossings_per_token.astype(np.float64))
+        count(nvl, tgt_key[local_other])
+    # Senders: the source GPU's NIC carries every crossing of its token.
+    src_key = (layer_base + src_gpu).reshape(-1)
+    nic += np.bincount(src_key, weights=crossings_per_token.astype(np.float64).reshape(-1), minlength=cells).reshape(
+        num_layers, ngpu
+    )
 
     nic *= weight * nic_copy
     nvl *= weight * nic_copy
@@ -259,7 +281,7 @@ def evaluate(
 
     # Expert load: (token, expert) pairs per GPU, max over mean within each EP group.
     load = np.zeros((num_layers, ngpu), dtype=np.float64)
-    add(load, np.broadcast_to(layer_ix[..., None], tgt_gpu.shape), tgt_gpu, 1.0)
+    count(load, tgt_key)
     lmm = np.empty(num_layers)
     for li in range(num_layers):
         grp_gpus = layout.group_gpu[layer_stage[li]]  # (G, ep)

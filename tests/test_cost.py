@@ -99,6 +99,7 @@ shapes = st.fixed_dictionaries(
                 dict(ep=2, dp=4, pp=1),  # two EP groups per stage
                 dict(ep=4, dp=2, tp=2, pp=1),  # TP splits a replica's tokens
                 dict(ep=8, dp=8, pp=1, num_experts=16, top_k=4),
+                dict(ep=4, dp=4, pp=1, num_experts=32, top_k=20),  # top-k > 16: the sorting path
             ]
         ),
     }

@@ -279,7 +279,6 @@ def assert_complete_or_absent(code: int, text: str, out: Path, signum: int) -> N
 STOP_HOOK_PENDING = {
     "cpsat": "solvers/experts.py waits on its process pool without polling options.should_stop(), "
              "and its workers do not ignore SIGINT/SIGTERM",
-    "kahypar": "solvers/kahypar.py checks the deadline between layers, not options.should_stop()",
 }
 
 
