@@ -16,24 +16,33 @@ Step 2, footprints, jointly with the experts at domain granularity.  A block's *
     for each of the stage's MoE layers (:func:`place_on_parts`: an assignment-problem start and a
     swap search with exact incremental deltas, the same model the expert placer solves per layer),
     so a shape's score already contains the best expert placement found for it, times the stage's
-    MoE layers.  A CP-SAT model (:class:`FootprintModel`) then picks one shape per block and its
-    domains under the domains' free-GPU capacities::
+    MoE layers.  A MILP (:class:`FootprintModel`, HiGHS through ``scipy.optimize.milp``) then picks
+    one shape per block and its domains under the domains' free-GPU capacities::
 
         x[b, d, v]  block b puts exactly v GPUs in domain d          (at most one v per (b, d))
         s[b, k]     block b takes shape k                              (exactly one k per b)
         sum_{d,v} v x[b,d,v] = n_b;   sum_{b,v} v x[b,d,v] <= free_d
         sum_d x[b,d,v] = sum_k mult_k(v) s[b,k]   for every part size v (links parts to shapes)
 
-    The shapes are many (every partition of a block into tray multiples), so they are priced
-    lazily, column-generation style: two-part shapes are scored up front; any other shape enters
-    the model with a lower bound (merging two parts of a shape never costs more, so a shape costs
-    at least as much as each of its merges); after each solve the chosen shapes that were only
-    bounded are scored and the model is solved again, until every chosen shape is scored (then the
-    answer is optimal for the scores, up to CP-SAT's gap) or the budget ends.  The objective is
-    ``total`` (cross-domain bytes per step) or ``bottleneck`` (the slowest stage's all-to-all time:
-    per layer the busier of its busiest NIC and its NVLink floor, summed over the stage), with the
-    other one as a tie-breaker (a second solve with the first objective fixed).  A first-fit
-    heuristic layout (and the default layout's own shapes) are complete hints.
+    The shapes are many (every partition of a block into tray multiples: 230 for an EP group of 64
+    on 4-GPU trays), so they are priced lazily, column-generation style.  A shape is priced per MoE
+    layer on a few layers spread over the model and scaled by each block's layers.  Two-part shapes
+    are priced up front; any other shape enters with an estimate built from them (what lands in
+    each part when the rest of the block is one domain, summed over its parts), never below two
+    lower bounds (merging two parts never costs more; and the cost is at least half the sum of its
+    parts' two-part prices); after each solve the picked shapes that were only estimated are
+    priced and the model is solved again, until its pick is priced everywhere (then it is optimal
+    for the prices) or the budget ends; shapes whose lower bound exceeds the incumbent are left
+    out.  The objective is ``total`` (cross-domain bytes per step) or ``bottleneck`` (the slowest
+    stage's all-to-all time: per layer the busier of its busiest NIC and its NVLink floor, summed
+    over the stage), the other one a tie-breaker with a tiny weight.  The warm start is a first-fit
+    heuristic layout (blocks with most MoE layers first, each into the tightest domain that holds
+    it, the rest split over the domains with most room) together with the default layout's own
+    shapes: HiGHS as scipy exposes it takes no starting solution, so the best of them is the
+    fallback when a solve runs out of time, the yardstick every pick must beat, and the cutoff
+    that prunes shapes.  (CP-SAT was tried first on the same model: with one worker it took
+    10-20 s to prove what HiGHS proves in a few, and its interleaved multi-worker mode, the
+    deterministic one, stalled far from the optimum.)
 Step 3, data-parallel sources.  On a straddling block, which replica runs on which side matters
     when replicas route differently.  The module *alternates*: with the experts fixed, replicas go
     to the block's parts by an assignment problem (``scipy.optimize.linear_sum_assignment``, cost =
@@ -58,10 +67,15 @@ won).  The estimator is exact for a given expert map (it counts what :mod:`place
 scored with its own expert map, while the EP groups of one stage share one map (with the default
 order and ``dp == ep``, as on the committed DeepSeek-V3 instances, a stage is one EP group).
 
+The footprint and the expert placement are modelled *jointly at domain granularity* (every shape
+is priced with its own expert placement), and the data-parallel sources and the experts of a
+straddling block are *alternated* until neither improves (Step 3).
+
 Determinism: the same instance, options and seed give the same layout.  Every step is a pure
-function of its inputs except the safety nets against the deadline; CP-SAT runs with a
-deterministic-time budget (``max_deterministic_time``) and a fixed seed; ``details`` records when a
-wall-clock limit cut a step short (then the result may depend on the machine's speed).
+function of its inputs (swap searches count swaps, HiGHS is deterministic) except the safety nets
+against the deadline: a MILP solve stopped by its time limit, or pricing stopped by the deadline,
+may end differently on a faster or slower machine; ``details["wall_clock_cut"]`` says when that
+happened.
 """
 
 from __future__ import annotations
@@ -108,6 +122,8 @@ MAX_SHAPES_PER_BLOCK = 2500
 VALIDATION_FRACTION = 0.25
 #: Rounds of the replicas <-> experts alternation on a straddling block.
 MAX_SOURCE_ROUNDS = 4
+#: Share of the layout's own budget kept for the replicas <-> experts alternation and final scoring.
+FINISH_SHARE = 0.2
 #: Share of the solver's remaining time that ``solvers.cpsat`` gives the rank layout (the expert
 #: placer gets the rest; with most blocks inside one domain most of its layers are trivial).
 LAYOUT_TIME_SHARE = 0.5
@@ -202,6 +218,7 @@ class ShapeScore:
     layer_bytes : (m,) per MoE layer of the stage.
     layer_nic_s : (m,) busiest NIC time per MoE layer (without the NVLink floor).
     part_bytes : (P,) of ``total_bytes``, the bytes landing in each part (domain) of the block.
+    part_nic_s : (P,) per part, its busiest NIC's time summed over the layers.
     """
 
     total_bytes: float
@@ -209,6 +226,7 @@ class ShapeScore:
     layer_bytes: tuple[float, ...]
     layer_nic_s: tuple[float, ...] = ()
     part_bytes: tuple[float, ...] = ()
+    part_nic_s: tuple[float, ...] = ()
 
 
 # =============================================================================================
@@ -686,7 +704,9 @@ class BlockScorer:
         rank_part = {int(r): int(atom2part[i]) for i, atom in enumerate(block.atoms) for r in atom}
         total, time_s, per_layer, per_nic, placements = 0.0, 0.0, [], [], []
         arrivals = np.zeros(int(atom2part.max()) + 1)
+        part_nic = np.zeros(int(atom2part.max()) + 1)  # summed over layers of each part's busiest NIC
         for layer in layers:
+            layer_part_nic = np.zeros_like(part_nic)
             layer_bytes, nic_max, lay = 0.0, 0.0, []
             for g, eg in enumerate(block.ep_groups):
                 part_of_ep = np.array([rank_part[int(r)] for r in eg], dtype=np.int64)
@@ -710,12 +730,17 @@ class BlockScorer:
                 lay.append(pl)
                 layer_bytes += pl.crossings * self.bytes_per_crossing
                 nic_max = max(nic_max, float(pl.nic_copies.max()) * self.nic_s_per_copy)
+                for i, part in enumerate(used):
+                    busiest = float(pl.nic_copies[local == i].max()) * self.nic_s_per_copy
+                    layer_part_nic[part] = max(layer_part_nic[part], busiest)
+            part_nic += layer_part_nic
             total += layer_bytes
             per_layer.append(layer_bytes)
             per_nic.append(nic_max)
             time_s += max(nic_max, self.nvlink_floor_s(block, int(layer)))
             placements.append(lay)
-        score = ShapeScore(total, time_s, tuple(per_layer), tuple(per_nic), tuple(float(x) for x in arrivals))
+        score = ShapeScore(total, time_s, tuple(per_layer), tuple(per_nic), tuple(float(x) for x in arrivals),
+                           tuple(float(x) for x in part_nic))
         out = (score, placements)
         self._scores[key] = out
         return out
@@ -1292,6 +1317,10 @@ def plan_layout(
     # ---- candidate shapes per block ----------------------------------------------------------
     units = _units(instance, blocks)
     default_feet, default_a2p = _block_feet(instance, blocks, default_r2g)
+    # the default layout, scored first: a candidate, the guard at the end, and a yardstick
+    est_default = None if equal_only else _summarise(instance, blocks, default_a2p, scorer)
+    # time kept for the replicas <-> experts alternation and the final scoring
+    footprint_deadline = deadline - max(1.0, FINISH_SHARE * remaining())
     plan = None
     for unit in units:
         shapes: list[list[tuple[int, ...]]] = []
@@ -1317,16 +1346,13 @@ def plan_layout(
                     shapes[b].append(sh)
         if any(not s for s in shapes):
             continue
-        plan = _solve_footprints(instance, blocks, shapes, free, scorer, options, extra_feet, deadline, details)
+        plan = _solve_footprints(instance, blocks, shapes, free, scorer, options, extra_feet, footprint_deadline, details)
         if plan is not None:
             details["part_unit_gpus"] = unit
             break
     if plan is None:
         if equal_only:
-            raise InfeasibleError(
-                f"--consumer {consumer}: no layout gives every EP group equal consecutive slices per NVLink domain "
-                f"(blocks of {sorted({b.size for b in blocks})} GPUs, free GPUs per domain {free.tolist()})"
-            )
+            raise InfeasibleError(_deepep_reason(consumer, blocks, free, par.world_size, cl.num_domains))
         raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
     feet, status = plan
     details["footprint_status"] = status
@@ -1351,8 +1377,7 @@ def plan_layout(
     # ---- never worse than the default -----------------------------------------------------------
     est_plan = _summarise(instance, blocks, a2ps, scorer)
     chosen = "optimized"
-    if not equal_only:
-        est_default = _summarise(instance, blocks, default_a2p, scorer)
+    if est_default is not None:
         details["default_estimate"] = {k: v for k, v in est_default.items() if k != "phy2log"}
         key = "total_bytes" if options.objective == "total" else "slowest_stage_s"
         plan_val, def_val = est_plan[key], est_default[key]
@@ -1379,6 +1404,28 @@ def plan_layout(
     return LayoutPlan(rank2gpu=rank2gpu, details=details, phy2log=est_plan["phy2log"])
 
 
+def _deepep_reason(consumer: str, blocks: Sequence[Block], free: np.ndarray, world: int, num_domains: int) -> str:
+    """One line saying why no layout meets the equal-consecutive-slices rule."""
+    sizes = sorted({b.size for b in blocks})
+    a = blocks[0].atom_size if blocks else 1
+    slices = sorted({n // m for n in sizes for m in range(1, num_domains + 1) if n % m == 0 and (n // m) % a == 0},
+                    reverse=True)
+    msg = (f"--consumer {consumer}: no layout gives every EP group equal consecutive slices per NVLink domain: "
+           f"an EP group of {'/'.join(map(str, sizes))} ranks may take {', '.join(map(str, slices))} GPUs in each "
+           f"domain it touches (at most {num_domains} domains)")
+    total = int(free.sum())
+    if world == total:
+        # every free GPU is needed, so every domain must be filled exactly by such slices
+        reach = {0}
+        for _ in range(max(1, int(free.max()) // max(1, min(slices)) + 1)):
+            reach |= {r + v for r in reach for v in slices if r + v <= int(free.max())}
+        bad = [int(f) for f in free if int(f) not in reach]
+        if bad:
+            return (msg + f", the job needs all {total} free GPUs, and {len(bad)} domain(s) with "
+                    f"{sorted(set(bad))} free GPUs cannot be filled by such slices")
+    return msg + f"; free GPUs per domain {free.tolist()}, the job needs {world}"
+
+
 def _solve_footprints(
     instance: Instance,
     blocks: Sequence[Block],
@@ -1397,7 +1444,8 @@ def _solve_footprints(
     time; a block's price is that times its MoE layers (the time per layer is raised to the
     block's NVLink floor).  Shapes not priced yet enter with an estimate built from the two-part
     prices (what lands in each part when the rest is one domain, summed over the parts; never
-    below the lower bounds of :func:`lower_bound`) and, for time, the NVLink floor.  Each round
+    below the lower bounds of :func:`lower_bound`) and, for time, the worst part's busiest NIC
+    when the rest is one domain (at least the NVLink floor).  Each round
     prices the shapes the model picked on estimates and solves again, until its pick is priced
     everywhere or the budget ends.  Shapes whose lower bound exceeds the incumbent's price are
     left out of the model (total objective).  Blocks of one size and layer count are interchangeable
@@ -1406,6 +1454,7 @@ def _solve_footprints(
     B = len(blocks)
     per_layer: dict[tuple[int, tuple[int, ...]], tuple[float, float]] = {}  # (size, shape) -> (bytes, nic s)
     arrivals: dict[tuple[int, tuple[int, ...]], tuple[float, ...]] = {}  # (size, shape) -> bytes into each part
+    part_nic: dict[tuple[int, tuple[int, ...]], tuple[float, ...]] = {}  # (size, shape) -> busiest NIC s per part
     floors = [[scorer.nvlink_floor_s(b, int(l)) for l in b.moe_layers] for b in blocks]
     floor = [float(sum(f)) for f in floors]
     nlay = [len(b.moe_layers) for b in blocks]
@@ -1423,16 +1472,19 @@ def _solve_footprints(
         if len(sh) == 1 or not samples[size]:
             per_layer[size, sh] = (0.0, 0.0)
             arrivals[size, sh] = (0.0,) * len(sh)
+            part_nic[size, sh] = (0.0,) * len(sh)
             return
-        tot, nic, arr = 0.0, 0.0, np.zeros(len(sh))
+        tot, nic, arr, pn = 0.0, 0.0, np.zeros(len(sh)), np.zeros(len(sh))
         for b, layer in samples[size]:
             sc = scorer.score_shape(blocks[b], sh, layers=[layer])
             tot += sc.total_bytes
             nic += sc.layer_nic_s[0]
             arr += np.asarray(sc.part_bytes)
+            pn += np.asarray(sc.part_nic_s)
         n = len(samples[size])
         per_layer[size, sh] = (tot / n, nic / n)
         arrivals[size, sh] = tuple(float(x) for x in arr / n)
+        part_nic[size, sh] = tuple(float(x) for x in pn / n)
 
     def estimate(size: int, sh: tuple[int, ...]) -> float | None:
         """Bytes per layer of an unpriced shape: the sum over its parts of what lands in a part of
@@ -1444,6 +1496,17 @@ def _solve_footprints(
             if (size, two) not in arrivals:
                 return None
             out += arrivals[size, two][two.index(p)]
+        return out
+
+    def estimate_nic(size: int, sh: tuple[int, ...]) -> float | None:
+        """Busiest NIC seconds per layer of an unpriced shape: the worst over its parts of that
+        part's busiest NIC when the rest of the block is one domain (from the two-part prices)."""
+        out = 0.0
+        for p in sh:
+            two = tuple(sorted((p, size - p), reverse=True))
+            if (size, two) not in part_nic:
+                return None
+            out = max(out, part_nic[size, two][two.index(p)])
         return out
 
     def lower_bound(size: int, sh: tuple[int, ...], memo: dict) -> float:
@@ -1481,7 +1544,8 @@ def _solve_footprints(
                     lb = lower_bound(size, sh, memo)
                     c_row.append(max(lb, est if est is not None else lb) * nlay[b])
                     l_row.append(lb * nlay[b])
-                    t_row.append(floor[b])
+                    nic = estimate_nic(size, sh) if len(sh) > 1 else None
+                    t_row.append(float(sum(max(nic, f) for f in floors[b])) if nic is not None else floor[b])
                     p_row.append(nlay[b] == 0)
             cost.append(c_row)
             tim.append(t_row)
@@ -1543,6 +1607,8 @@ def _solve_footprints(
         log.info("footprint round %d: %s in %.2f s (%d shapes)", rounds, st, round_s[-1], shapes_kept[-1])
         if feet is None and st == "INFEASIBLE" and warm is None:
             return None
+        if st != "OPTIMAL" and st != "INFEASIBLE":
+            cut = True  # HiGHS stopped by its time limit: the pick may depend on the machine's speed
         if feet is None or (warm is not None and key(value(warm)) < key(value(feet))):
             if warm is None:
                 cut = True
