@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import pty
 import select
@@ -199,6 +198,13 @@ def test_time_limit_bounds_the_whole_command(tmp_path, monkeypatch):
     assert code == 0, err
     assert seen["deadline"] <= t0 + limit - FINISH_RESERVE_S + 0.05
     assert wall <= limit + 0.5, f"ran {wall:.2f} s for a {limit} s limit"
+
+
+def test_the_console_script_counts_from_process_start():
+    from placement.cli import _process_started_at
+
+    age_s = time.monotonic() - _process_started_at()
+    assert 0.0 <= age_s < 60.0  # this pytest process started a moment ago, or the fallback: now
 
 
 # ---------------------------------------------------------------------------------------------
