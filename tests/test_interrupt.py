@@ -214,7 +214,7 @@ def slowest_solver() -> str:
     return next(name for name in SLOW_SOLVERS if name in SOLVERS)
 
 
-def interrupt_solve(tmp_path: Path, signum: int, to_group: bool, limit_s: float = 10.0) -> tuple[int, str, float, Path]:
+def interrupt_solve(tmp_path: Path, signum: int, to_group: bool, limit_s: float = 60.0) -> tuple[int, str, float, Path]:
     """Start ``placement solve dsv3_256`` with the slowest solver, signal it once the solve has
     begun (the CLI's progress line), and return (exit code, stderr, seconds from the signal to the
     exit, output path).  ``to_group``: signal the whole process group, as a terminal's Ctrl-C or
@@ -280,12 +280,12 @@ def assert_complete_or_absent(code: int, text: str, out: Path, signum: int) -> N
         assert text.strip().splitlines()[-1].startswith("placement: interrupted"), text
 
 
-# Solvers known not to relay a stop request yet (they run on to their deadline, or fail when their
-# worker processes get the signal too): the promptness check is an expected failure for them.
-STOP_HOOK_PENDING = {
-    "cpsat": "solvers/experts.py waits on its process pool without polling options.should_stop(), "
-             "and its workers do not ignore SIGINT/SIGTERM",
-}
+# Solvers known not to relay a stop request yet (they would run on to their deadline, or fail when
+# their worker processes get the signal too): the promptness check is an expected failure for them.
+STOP_HOOK_PENDING: dict[str, str] = {}
+# With a 60 s limit, a solver that ignores the stop runs ~55 s more; one that honours it stops
+# within this (its layers in flight, checking, scoring and writing, on a loaded 2-core machine).
+PROMPT_STOP_S = 15.0
 
 
 def test_sigterm_to_a_solve_process_writes_its_best_placement_promptly(tmp_path):
@@ -293,7 +293,7 @@ def test_sigterm_to_a_solve_process_writes_its_best_placement_promptly(tmp_path)
     assert_complete_or_absent(code, text, out, signal.SIGTERM)
     solver = slowest_solver()
     print(f"{solver}: exit {code} {stopped_s:.2f} s after SIGTERM")
-    if not (code == 0 and stopped_s < 5.0):
+    if not (code == 0 and stopped_s < PROMPT_STOP_S):
         if solver in STOP_HOOK_PENDING:
             pytest.xfail(f"{solver}: {STOP_HOOK_PENDING[solver]} (took {stopped_s:.1f} s, exit {code})")
         raise AssertionError(f"{solver} took {stopped_s:.1f} s to stop after SIGTERM (exit {code})")
@@ -301,5 +301,8 @@ def test_sigterm_to_a_solve_process_writes_its_best_placement_promptly(tmp_path)
 
 def test_ctrl_c_to_the_process_group_leaves_a_complete_file_or_none(tmp_path):
     code, text, stopped_s, out = interrupt_solve(tmp_path, signal.SIGINT, to_group=True)
-    print(f"{slowest_solver()}: exit {code} {stopped_s:.2f} s after SIGINT to the group")
+    solver = slowest_solver()
+    print(f"{solver}: exit {code} {stopped_s:.2f} s after SIGINT to the group")
     assert_complete_or_absent(code, text, out, signal.SIGINT)
+    if solver not in STOP_HOOK_PENDING:  # worker processes ignore it; the main process stops the solve
+        assert code == 0 and stopped_s < PROMPT_STOP_S, f"{solver}: exit {code} after {stopped_s:.1f} s"
