@@ -22,10 +22,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 from placement.api import Interrupted, SignalStop
 from placement.model import InvalidInputError, PlacementError
+
+if TYPE_CHECKING:
+    from placement.model import Instance
+    from solvers.base import SolveResult
 
 __all__ = [
     "main",
@@ -207,7 +211,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     return EXIT_OK
 
 
-def _footprint_lines(instance, result) -> list[str]:
+def _footprint_lines(instance: Instance, result: SolveResult) -> list[str]:
     """Each pipeline stage's GPUs per NVLink domain: one line per stage that straddles domains."""
     from solvers.layout import stage_footprints
 

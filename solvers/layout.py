@@ -510,7 +510,7 @@ def place_on_parts(
                 cur_c = [contrib(g, e2p[g * group_size : (g + 1) * group_size]) for g in range(G)]
                 cnt = np.sum(cur_c, axis=0)
                 cur = int(((cnt > 0) & notsrc).sum())
-                best = (cur, None)
+                best: tuple[int, tuple[int, int] | None] = (cur, None)
                 for g1 in range(G):
                     for g2 in range(g1 + 1, G):
                         t1, t2 = block_type[g2b[g1]], block_type[g2b[g2]]
@@ -559,7 +559,7 @@ def _nic_copies(
 # Step 2b: shapes and their scores
 # =============================================================================================
 def shape_candidates(
-    n: int, unit: int, max_part: int, max_parts: int, *, equal_only: bool = False
+    n: int, unit: int, max_part: int, max_parts: int, *, equal_only: bool = False, limit: int | None = None
 ) -> list[tuple[int, ...]]:
     """Multisets of part sizes for a block of ``n`` GPUs, sizes non-increasing.
 
@@ -570,6 +570,8 @@ def shape_candidates(
     max_part : the largest part any domain can take.
     max_parts : at most this many parts (domains).
     equal_only : only equal parts (the DeepEP/HybridEP rule).
+    limit : stop after ``limit + 1`` shapes (so a caller can tell that there are more than
+        ``limit``); the ones with the largest parts come first.
 
     Examples
     --------
@@ -580,19 +582,23 @@ def shape_candidates(
     """
     if n % unit:
         return []
+    out: list[tuple[int, ...]] = []
     if equal_only:
-        out = []
         for m in range(1, n // unit + 1):
             if (n // unit) % m == 0 and m <= max_parts and n // m <= max_part:
                 out.append((n // m,) * m)
         return out
     total = n // unit
     cap = max_part // unit
-    out: list[tuple[int, ...]] = []
+
+    class _Enough(Exception):
+        pass
 
     def rec(rem: int, largest: int, acc: list[int]) -> None:
         if rem == 0:
             out.append(tuple(unit * x for x in acc))
+            if limit is not None and len(out) > limit:
+                raise _Enough
             return
         if len(acc) == max_parts:
             return
@@ -603,14 +609,65 @@ def shape_candidates(
             rec(rem - x, x, acc)
             acc.pop()
 
-    rec(total, cap, [])
+    try:
+        rec(total, cap, [])
+    except _Enough:
+        pass
     return out
 
 
-def _contiguous_atom_parts(block: Block, shape: Sequence[int]) -> np.ndarray:
-    """(n_atoms,) part of each atom: consecutive slices of the block's atoms, larger parts first."""
+def _slice_order(sizes: Sequence[int], align: int | None) -> list[int]:
+    """Order of the parts along the EP ranks: larger parts first, unless another order puts more
+    slice boundaries on multiples of ``align`` (the expert-group blocks of a group-preserving map:
+    a boundary inside a block splits an expert group over two domains).
+
+    Exact by dynamic programming over subsets for up to 12 parts (the subset fixes the boundary's
+    position), else larger parts first.
+
+    Examples
+    --------
+    >>> _slice_order([68, 64, 64, 56, 4], 32)   # boundaries 68, 124, 128, 192: two aligned
+    [0, 3, 4, 1, 2]
+    >>> _slice_order([48, 8, 4, 4], 8)
+    [0, 1, 2, 3]
+    """
+    m = len(sizes)
+    base = sorted(range(m), key=lambda i: (-sizes[i], i))
+    if align is None or align <= 1 or m <= 1 or m > 12:
+        return base
+    rank = {i: r for r, i in enumerate(base)}
+    # best[mask] = (aligned boundaries, order) over orders of the parts in ``mask`` placed first
+    best: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
+    for mask in range(1 << m):
+        if mask not in best:
+            continue
+        count, order = best[mask]
+        pos = sum(sizes[i] for i in range(m) if mask >> i & 1)
+        gain = 1 if 0 < pos < sum(sizes) and pos % align == 0 else 0
+        for i in sorted(range(m), key=lambda j: rank[j]):
+            if mask >> i & 1:
+                continue
+            nxt = mask | 1 << i
+            cand = (count + gain, order + (i,))
+            old = best.get(nxt)
+            if old is None or cand[0] > old[0] or (cand[0] == old[0] and [rank[j] for j in cand[1]] < [rank[j] for j in old[1]]):
+                best[nxt] = cand
+    return list(best[(1 << m) - 1][1])
+
+
+def _contiguous_atom_parts(block: Block, shape: Sequence[int], align_ranks: int | None = None) -> np.ndarray:
+    """(n_atoms,) part of each atom: consecutive slices of the block's atoms (part ``i`` has
+    ``shape[i]`` GPUs), in the order of :func:`_slice_order` (``align_ranks``: EP ranks per
+    expert-group block, for a block that is one EP group under a group-preserving map)."""
     a = block.atom_size
-    return np.repeat(np.arange(len(shape)), [v // a for v in shape])
+    sizes = [v // a for v in shape]
+    align = align_ranks // a if align_ranks and align_ranks % a == 0 else None
+    out = np.empty(sum(sizes), dtype=np.int64)
+    pos = 0
+    for i in _slice_order(sizes, align):
+        out[pos : pos + sizes[i]] = i
+        pos += sizes[i]
+    return out
 
 
 class BlockScorer:
@@ -696,8 +753,8 @@ class BlockScorer:
         score and, per layer, per EP group, the :class:`PartPlacement` (``None`` for a group inside
         one part).
         """
-        layers = block.moe_layers if layers is None else np.asarray(layers, dtype=np.int64)
-        key = (block.index, tuple(int(x) for x in atom2part), tuple(int(x) for x in layers), max_swaps)
+        layer_ids = block.moe_layers if layers is None else np.asarray(layers, dtype=np.int64)
+        key = (block.index, tuple(int(x) for x in atom2part), tuple(int(x) for x in layer_ids), max_swaps)
         hit = self._scores.get(key)
         if hit is not None:
             return hit
@@ -705,9 +762,10 @@ class BlockScorer:
         total, time_s, per_layer, per_nic, placements = 0.0, 0.0, [], [], []
         arrivals = np.zeros(int(atom2part.max()) + 1)
         part_nic = np.zeros(int(atom2part.max()) + 1)  # summed over layers of each part's busiest NIC
-        for layer in layers:
+        for layer in layer_ids:
             layer_part_nic = np.zeros_like(part_nic)
-            layer_bytes, nic_max, lay = 0.0, 0.0, []
+            layer_bytes, nic_max = 0.0, 0.0
+            lay: list[PartPlacement | None] = []
             for g, eg in enumerate(block.ep_groups):
                 part_of_ep = np.array([rank_part[int(r)] for r in eg], dtype=np.int64)
                 used = np.unique(part_of_ep)
@@ -747,7 +805,16 @@ class BlockScorer:
 
     def score_shape(self, block: Block, shape: Sequence[int], layers: Sequence[int] | None = None) -> ShapeScore:
         """Score ``block`` under ``shape`` with contiguous slices of atoms (larger parts first)."""
-        return self.score(block, _contiguous_atom_parts(block, shape), layers=layers)[0]
+        return self.score(block, self.slices(block, shape), layers=layers)[0]
+
+    def slices(self, block: Block, shape: Sequence[int]) -> np.ndarray:
+        """(n_atoms,) atom -> part for ``shape``: consecutive slices, aligned to expert-group
+        blocks where the map is group-preserving (see :func:`_slice_order`)."""
+        align = None
+        if self.group_size is not None and block.ep_groups.shape[0] == 1:
+            if self.group_size % self.experts_per_rank == 0:
+                align = self.group_size // self.experts_per_rank
+        return _contiguous_atom_parts(block, shape, align)
 
     def floor_time_s(self, block: Block) -> float:
         """The block's all-to-all time when it sits in one domain (NVLink only)."""
@@ -1116,7 +1183,7 @@ def _phy2log(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.ndar
                     for p in np.unique(slot2part):
                         row[np.flatnonzero(slot2part == p)] = np.flatnonzero(pl.expert2part == p)
                 else:
-                    gs = scorer.group_size
+                    gs = int(scorer.group_size or E)
                     for grp, blk in enumerate(pl.group2block):
                         slots = np.arange(blk * gs, (blk + 1) * gs)
                         experts = np.arange(grp * gs, (grp + 1) * gs)
@@ -1171,7 +1238,7 @@ def _atom_costs(scorer: BlockScorer, block: Block, placements: list, P: int) -> 
 def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Block, a2p: np.ndarray,
                    deadline: float) -> tuple[np.ndarray, dict]:
     """Alternate replicas -> parts (assignment) and experts -> parts until neither improves."""
-    info = {"rounds": 0, "fit_before": None, "fit_after": None, "val_before": None, "val_after": None, "kept": False}
+    info: dict[str, float | int | bool | None] = {"rounds": 0, "fit_before": None, "fit_after": None, "val_before": None, "val_after": None, "kept": False}
     if block.ep_groups.shape[0] != 1 or a2p.max() == 0:
         return a2p, info
     P = int(a2p.max()) + 1
@@ -1318,9 +1385,12 @@ def plan_layout(
     units = _units(instance, blocks)
     default_feet, default_a2p = _block_feet(instance, blocks, default_r2g)
     # the default layout, scored first: a candidate, the guard at the end, and a yardstick
+    t_default = time.monotonic()
     est_default = None if equal_only else _summarise(instance, blocks, default_a2p, scorer)
-    # time kept for the replicas <-> experts alternation and the final scoring
-    footprint_deadline = deadline - max(1.0, FINISH_SHARE * remaining())
+    t_default = time.monotonic() - t_default
+    # time kept for the final scoring (about what the default's took) and the replicas <-> experts
+    # alternation
+    footprint_deadline = deadline - max(1.0, FINISH_SHARE * remaining(), 2.0 * t_default)
     plan = None
     for unit in units:
         shapes: list[list[tuple[int, ...]]] = []
@@ -1330,7 +1400,8 @@ def plan_layout(
             cand: list[tuple[int, ...]] = []
             mp = max_parts
             while True:
-                cand = shape_candidates(blk.size, unit_b, min(max_free, blk.size), mp, equal_only=equal_only)
+                cand = shape_candidates(blk.size, unit_b, min(max_free, blk.size), mp, equal_only=equal_only,
+                                        limit=MAX_SHAPES_PER_BLOCK)
                 if equal_only or len(cand) <= MAX_SHAPES_PER_BLOCK or mp <= 2:
                     break
                 mp -= 1
@@ -1356,26 +1427,35 @@ def plan_layout(
         raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
     feet, status = plan
     details["footprint_status"] = status
-    # ---- data-parallel sources on straddling blocks --------------------------------------------
+    # ---- the plan scored exactly, then data-parallel sources on straddling blocks ---------------
     a2ps = []
     for blk, foot in zip(blocks, feet):
         shape = tuple(sorted(foot.values(), reverse=True))
-        a2ps.append(_contiguous_atom_parts(blk, shape))
+        a2ps.append(scorer.slices(blk, shape))
+    t_exact = time.monotonic()
+    est_plan = _summarise(instance, blocks, a2ps, scorer)
+    straddling = [b for b in range(len(blocks)) if len(feet[b]) > 1]
+    per_block_s = (time.monotonic() - t_exact) / max(1, len(straddling))
     src_info = {}
-    if not equal_only:
+    if not equal_only and straddling:
         fit = BlockScorer(instance, group_preserving=gp, tokens="fit")
         val = BlockScorer(instance, group_preserving=gp, tokens="val")
-        for b, blk in enumerate(blocks):
-            if len(feet[b]) > 1 and remaining() > 0.5:
-                a2ps[b], info = _place_sources(fit, val, blk, a2ps[b], deadline)
+        moved = False
+        for b in straddling:
+            # a round scores the block on the fit tokens and, at the end, twice on the validation ones
+            if remaining() > 3.0 * per_block_s + 0.5:
+                a2ps[b], info = _place_sources(fit, val, blocks[b], a2ps[b], deadline)
                 src_info[str(b)] = info
-            elif len(feet[b]) > 1:
+                moved = moved or bool(info["kept"])
+            else:
                 details["wall_clock_cut"] = True
+                src_info[str(b)] = {"skipped": "no time left"}
+        if moved:
+            est_plan = _summarise(instance, blocks, a2ps, scorer)
     details["source_placement"] = src_info
     rank2gpu, split_atoms = _assign_gpus(instance, blocks, feet, a2ps)
     details["tp_cp_groups_split_across_trays"] = split_atoms
     # ---- never worse than the default -----------------------------------------------------------
-    est_plan = _summarise(instance, blocks, a2ps, scorer)
     chosen = "optimized"
     if est_default is not None:
         details["default_estimate"] = {k: v for k, v in est_default.items() if k != "phy2log"}
@@ -1385,6 +1465,8 @@ def plan_layout(
             plan_val, def_val = expert_cost(instance, rank2gpu), expert_cost(instance, default_r2g)
             details["expert_cost_check"] = {"plan_bytes": plan_val, "default_bytes": def_val}
         if def_val < plan_val:
+            details["rejected_estimate"] = {k: v for k, v in est_plan.items() if k != "phy2log"}
+            details["rejected_stage_footprints"] = stage_footprints(instance, rank2gpu)
             chosen = "default"
             rank2gpu = default_r2g.copy()
             est_plan = est_default
@@ -1463,8 +1545,8 @@ def _solve_footprints(
     samples: dict[int, list[tuple[int, int]]] = {}
     for size in sorted({b.size for b in blocks}):
         pool = [(b.index, int(l)) for b in blocks if b.size == size for l in b.moe_layers]
-        pick = np.unique(np.linspace(0, len(pool) - 1, min(PROXY_LAYERS, len(pool))).round().astype(int)) if pool else []
-        samples[size] = [pool[i] for i in pick]
+        pick = np.unique(np.linspace(0, len(pool) - 1, min(PROXY_LAYERS, len(pool))).round().astype(int))
+        samples[size] = [pool[int(i)] for i in pick] if pool else []
 
     def price_shape(size: int, sh: tuple[int, ...]) -> None:
         if (size, sh) in per_layer:
@@ -1521,7 +1603,9 @@ def _solve_footprints(
         known = {k: (v[0], 0.0) for (z, k), v in per_layer.items() if z == size}
         merge = _merge_bounds(sh, known, memo)
         halves = [per_layer.get((size, tuple(sorted((p, size - p), reverse=True)))) for p in sh]
-        split = 0.5 * sum(h[0] for h in halves) if all(h is not None for h in halves) else 0.0
+        split = 0.0
+        if all(h is not None for h in halves):
+            split = 0.5 * sum(h[0] for h in halves if h is not None)
         return max(merge, split)
 
     def tables() -> tuple[list[list[float]], list[list[float]], list[list[bool]], list[list[float]]]:
@@ -1544,8 +1628,8 @@ def _solve_footprints(
                     lb = lower_bound(size, sh, memo)
                     c_row.append(max(lb, est if est is not None else lb) * nlay[b])
                     l_row.append(lb * nlay[b])
-                    nic = estimate_nic(size, sh) if len(sh) > 1 else None
-                    t_row.append(float(sum(max(nic, f) for f in floors[b])) if nic is not None else floor[b])
+                    nic_est = estimate_nic(size, sh) if len(sh) > 1 else None
+                    t_row.append(float(sum(max(nic_est, f) for f in floors[b])) if nic_est is not None else floor[b])
                     p_row.append(nlay[b] == 0)
             cost.append(c_row)
             tim.append(t_row)
@@ -1553,16 +1637,22 @@ def _solve_footprints(
             lbs.append(l_row)
         return cost, tim, priced, lbs
 
-    # Round 0: every two-part shape (every shape under a consumer rule) and the heuristics' shapes
+    # Round 0: the heuristics' shapes, every shape under a consumer rule (they are few), and the
+    # two-part split (p, n - p) for every part size p that a candidate uses, whether or not the
+    # split fits the domains (a block wider than two domains has no feasible two-part shape, but
+    # what lands in a part of p GPUs when the rest is one domain is what the estimates need)
     t0 = time.monotonic()
     todo0: list[tuple[int, tuple[int, ...]]] = []
-    for b in range(B):
-        for sh in shapes[b]:
-            if len(sh) == 2 or options.consumer != "none":
-                todo0.append((blocks[b].size, sh))
     for feet in hints:
         for b, foot in enumerate(feet):
             todo0.append((blocks[b].size, tuple(sorted(foot.values(), reverse=True))))
+    for b in range(B):
+        size = blocks[b].size
+        for sh in shapes[b]:
+            if options.consumer != "none":
+                todo0.append((size, sh))
+        for p in sorted({v for sh in shapes[b] for v in sh if v < size}, reverse=True):
+            todo0.append((size, tuple(sorted((p, size - p), reverse=True))))
     for size, sh in dict.fromkeys(todo0):
         if time.monotonic() > deadline:
             cut = True
@@ -1601,19 +1691,20 @@ def _solve_footprints(
         )
         budget = max(0.5, min(remaining_s(deadline) * 0.3, _MAX_ROUND_S))
         t_round = time.monotonic()
-        st, feet, tot, z = model.solve(objective, time_limit_s=budget)
+        st, picked, _, _ = model.solve(objective, time_limit_s=budget)
         round_s.append(round(time.monotonic() - t_round, 3))
         shapes_kept.append(int(sum(len(k) for k in keep)))
         log.info("footprint round %d: %s in %.2f s (%d shapes)", rounds, st, round_s[-1], shapes_kept[-1])
-        if feet is None and st == "INFEASIBLE" and warm is None:
+        if picked is None and st == "INFEASIBLE" and warm is None:
             return None
         if st != "OPTIMAL" and st != "INFEASIBLE":
             cut = True  # HiGHS stopped by its time limit: the pick may depend on the machine's speed
-        if feet is None or (warm is not None and key(value(warm)) < key(value(feet))):
+        if picked is None or (warm is not None and key(value(warm)) < key(value(picked))):
             if warm is None:
                 cut = True
                 break
-            feet, st = warm, "WARM_START"
+            picked, st = warm, "WARM_START"
+        feet = picked
         status, best_feet = st, feet
         todo = []
         for b, f in enumerate(feet):

@@ -387,3 +387,37 @@ def test_cli_exits_3_when_too_few_gpus(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 3, err
     assert "needs 8 GPUs" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# properties on random small clusters
+# ---------------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    down=st.lists(st.integers(0, 17), max_size=5, unique=True),
+    mode=st.sampled_from(["per_domain", "per_pair"]),
+    objective=st.sampled_from(["total", "bottleneck"]),
+)
+def test_plan_is_valid_exact_and_no_worse_than_default(seed, down, mode, objective):
+    """Any fragmentation of 3 domains x 3 trays x 2 GPUs: a valid layout on free GPUs whose estimate
+    is the evaluator's number and is no worse than the default's on the chosen objective."""
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=3,
+                           gpus_per_tray=2, tokens=8, moe_layers=3, cost_mode=mode)
+    available = np.ones(18, dtype=bool)
+    available[down] = False
+    inst = _with_available(inst, available)
+    plan = _plan(inst, objective=objective)
+    placement = Placement(plan.rank2gpu, plan.phy2log)
+    assert check(inst, placement) == []
+    m = evaluate(inst, placement)
+    assert plan.details["estimated_total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9, abs=1e-6)
+    key = "total_bytes" if objective == "total" else "slowest_stage_s"
+    assert plan.details["estimate"][key] <= plan.details["default_estimate"][key] * (1 + 1e-9) + 1e-9
+    # a footprint uses every free GPU at most once and the stage footprints add up
+    assert [sum(c for _, c in f) for f in plan.details["stage_footprints"]] == [4, 4]
