@@ -128,7 +128,7 @@ FINISH_SHARE = 0.2
 #: placer gets the rest; with most blocks inside one domain most of its layers are trivial).
 LAYOUT_TIME_SHARE = 0.5
 #: Wall-clock cap of one MILP solve (seconds); a round also takes at most 30% of the time left.
-_MAX_ROUND_S = 20.0
+_MAX_ROUND_S = 10.0
 #: Weight of the tie-breaking objective relative to the first one (prices in GB and ms).
 _TIE_BREAK = 1e-6
 #: Scale of the MILP's prices: gigabytes and milliseconds.
@@ -1236,7 +1236,7 @@ def _atom_costs(scorer: BlockScorer, block: Block, placements: list, P: int) -> 
 
 
 def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Block, a2p: np.ndarray,
-                   deadline: float) -> tuple[np.ndarray, dict]:
+                   deadline: float, stop: Callable[[], bool] = lambda: False) -> tuple[np.ndarray, dict]:
     """Alternate replicas -> parts (assignment) and experts -> parts until neither improves."""
     info: dict[str, float | int | bool | None] = {"rounds": 0, "fit_before": None, "fit_after": None, "val_before": None, "val_after": None, "kept": False}
     if block.ep_groups.shape[0] != 1 or a2p.max() == 0:
@@ -1248,7 +1248,7 @@ def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Bloc
     info["fit_before"] = best_fit
     cur, cur_pl = a2p.copy(), placements
     for rnd in range(MAX_SOURCE_ROUNDS):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or stop():
             break
         cost = _atom_costs(scorer_fit, block, cur_pl, P)
         new = cur.copy()
@@ -1378,7 +1378,8 @@ def plan_layout(
                     )
 
     def remaining() -> float:
-        return deadline - time.monotonic()
+        """Seconds left; none once the caller asked to stop (``options.stop_event``)."""
+        return 0.0 if options.stop_requested() else deadline - time.monotonic()
 
     max_free = int(free.max()) if free.size else 0
     # ---- candidate shapes per block ----------------------------------------------------------
@@ -1444,7 +1445,7 @@ def plan_layout(
         for b in straddling:
             # a round scores the block on the fit tokens and, at the end, twice on the validation ones
             if remaining() > 3.0 * per_block_s + 0.5:
-                a2ps[b], info = _place_sources(fit, val, blocks[b], a2ps[b], deadline)
+                a2ps[b], info = _place_sources(fit, val, blocks[b], a2ps[b], deadline, options.stop_requested)
                 src_info[str(b)] = info
                 moved = moved or bool(info["kept"])
             else:
@@ -1654,7 +1655,7 @@ def _solve_footprints(
         for p in sorted({v for sh in shapes[b] for v in sh if v < size}, reverse=True):
             todo0.append((size, tuple(sorted((p, size - p), reverse=True))))
     for size, sh in dict.fromkeys(todo0):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or options.stop_requested():
             cut = True
             break
         price_shape(size, sh)
@@ -1678,6 +1679,10 @@ def _solve_footprints(
             return sum(cost[b][k] for b, k in enumerate(ks)), max(tim[b][k] for b, k in enumerate(ks))
 
         warm = min(cands, key=lambda f: key(value(f))) if cands else None
+        if warm is not None and options.stop_requested():  # the caller wants an answer now
+            cut = True
+            best_feet, status = warm, "WARM_START"
+            break
         keep = [list(range(len(shapes[b]))) for b in range(B)]
         if warm is not None and objective == "total":
             limit = value(warm)[0] * (1 + 1e-9) + 1.0
@@ -1713,7 +1718,7 @@ def _solve_footprints(
                 todo.append((blocks[b].size, sh))
         if not todo:
             break
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or options.stop_requested():
             cut = True
             break
         for size, sh in dict.fromkeys(todo):

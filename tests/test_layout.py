@@ -421,3 +421,16 @@ def test_plan_is_valid_exact_and_no_worse_than_default(seed, down, mode, objecti
     assert plan.details["estimate"][key] <= plan.details["default_estimate"][key] * (1 + 1e-9) + 1e-9
     # a footprint uses every free GPU at most once and the stage footprints add up
     assert [sum(c for _, c in f) for f in plan.details["stage_footprints"]] == [4, 4]
+
+
+def test_a_stop_request_returns_a_valid_layout_at_once(tiny):
+    import threading
+
+    event = threading.Event()
+    event.set()
+    opts = SolveOptions(num_workers=1, stop_event=event)
+    t0 = time.monotonic()
+    plan = plan_layout(tiny, opts, deadline=t0 + 60)
+    assert time.monotonic() - t0 < 5.0
+    assert check(tiny, Placement(plan.rank2gpu, plan.phy2log)) == []
+    assert plan.details["wall_clock_cut"] is True
