@@ -1686,7 +1686,10 @@ def _solve_footprints(
         keep = [list(range(len(shapes[b]))) for b in range(B)]
         if warm is not None and objective == "total":
             limit = value(warm)[0] * (1 + 1e-9) + 1.0
-            keep = [[k for k in range(len(shapes[b])) if lbs[b][k] <= limit] for b in range(B)]
+            # prune on the price: a shape priced or estimated above the whole incumbent cannot be
+            # part of a better footprint (estimates miss only what parts cost each other, so they
+            # err low)
+            keep = [[k for k in range(len(shapes[b])) if cost[b][k] <= limit] for b in range(B)]
         model = FootprintModel(
             [b.size for b in blocks],
             [[shapes[b][k] for k in keep[b]] for b in range(B)],
