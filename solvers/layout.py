@@ -11,11 +11,11 @@ Step 1, blocks.  The ranks of a pipeline stage split into *blocks*: the smallest
     ``tp-cp-ep-dp-pp`` and ``tp*cp`` dividing ``ep`` a block is one EP group.  A block whose ranks
     all sit in one NVLink domain moves no byte across domains.
 Step 2, footprints, jointly with the experts at domain granularity.  A block's *shape* is the
-    multiset of its GPU counts per domain (tray-granular where the free GPUs allow it).  Every
-    candidate shape of every block is scored by placing that block's experts on the shape's parts
-    for each of the stage's MoE layers (:func:`place_on_parts`: an assignment-problem start and a
-    swap search with exact incremental deltas, the same model the expert placer solves per layer),
-    so a shape's score already contains the best expert placement found for it, times the stage's
+    multiset of its GPU counts per domain (tray-granular where the free GPUs allow it).  A shape is
+    priced by placing experts on its parts (:func:`place_on_parts`: an assignment-problem start and
+    a swap search with exact incremental deltas, the same domain-level model the expert placer
+    solves per layer) for a few MoE layers spread over the model, so its price already contains
+    the best expert placement found for it; a block pays that price per layer times its stage's
     MoE layers.  A MILP (:class:`FootprintModel`, HiGHS through ``scipy.optimize.milp``) then picks
     one shape per block and its domains under the domains' free-GPU capacities::
 
@@ -81,10 +81,8 @@ happened.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -114,7 +112,7 @@ log = logging.getLogger(__name__)
 
 #: Swap-search limit per (EP group, layer, shape) scoring, counted in swaps (deterministic).
 MAX_SWAPS = 64
-#: MoE layers sampled (spread over the model) to price a shape before it is priced per block.
+#: MoE layers (spread over the model) on which a shape's price per layer is measured.
 PROXY_LAYERS = 4
 #: Upper bound on candidate shapes per block; beyond it the number of parts is capped.
 MAX_SHAPES_PER_BLOCK = 2500
