@@ -4,6 +4,7 @@ Importing this package registers every solver; ``SOLVERS`` maps names to solve f
 """
 
 from solvers import default as _default  # noqa: F401  (registers "default")
+from solvers import cpsat as _cpsat  # noqa: F401  (registers "cpsat")
 from solvers import eplb as _eplb  # noqa: F401  (registers "eplb", a peer)
 from solvers import kahypar as _kahypar  # noqa: F401  (registers "kahypar", a peer; mtkahypar imported lazily)
 from solvers import packed as _packed  # noqa: F401  (registers "packed", a peer)

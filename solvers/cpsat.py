@@ -1,0 +1,147 @@
+"""The registered solver ``cpsat``: a rank layout, then every layer's expert map (DESIGN.md section 7).
+
+Two levels, decoupled on purpose:
+
+1. The rank layout (which GPU runs each rank) comes from ONE call, :func:`choose_rank2gpu`: the
+   rank-layout search :func:`solvers.layout.plan_layout` (issue 4), or with
+   ``options.layout == "fixed"`` always the default layout (``solvers.default.default_rank2gpu``).
+2. For that fixed layout, :func:`solvers.experts.place_experts` optimises every MoE layer's expert
+   map (experts -> domain classes by local search, CP-SAT and, for group-preserving maps, a
+   group-level branch and bound; balancing inside domains; a validation guard) in a process pool,
+   starting also from the expert map the layout was scored with, and reports per-layer bounds.
+
+Time: the layout gets :data:`solvers.layout.LAYOUT_TIME_SHARE` of the wall time left; the expert
+placer sizes its deterministic work from the same share of ``options.time_limit_s`` (never from the
+clock), so its result depends on the limit, not on how long the layout took.
+
+The objective reported is the evaluator's ``cross_domain_bytes_per_step`` on the sampled tokens;
+``status`` is ``optimal`` only if every layer's map is proved optimal for the layout (over maps within
+the load caps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from placement.checker import deepep_violations
+from placement.model import InfeasibleError, Instance, Placement
+from solvers.base import SolveOptions, SolveResult
+from solvers.default import default_rank2gpu
+from solvers.experts import (
+    CLASS_LOAD_TOLERANCE,
+    DET_PER_WALL_S,
+    GPU_LOAD_TOLERANCE,
+    VALIDATION_FRACTION,
+    place_experts,
+)
+from solvers.registry import register
+
+__all__ = ["choose_rank2gpu", "solve_cpsat"]
+
+log = logging.getLogger(__name__)
+
+
+def choose_rank2gpu(
+    instance: Instance, options: SolveOptions, *, deadline: float
+) -> tuple[np.ndarray, dict, np.ndarray | None]:
+    """The rank layout: the ONE place it is decided.
+
+    Returns ``(rank2gpu (world,), info, phy2log or None)``; ``info`` goes into the result's
+    ``details["layout"]``; ``phy2log`` is the expert map the layout was scored with (a start for the
+    expert placer).
+    ``options.layout == "fixed"`` always gives the default layout; ``optimize`` runs the rank-layout
+    search :func:`solvers.layout.plan_layout` on :data:`solvers.layout.LAYOUT_TIME_SHARE` of the time
+    left (it never returns a layout its estimate scores worse than the default).
+    """
+    rank2gpu = default_rank2gpu(instance)
+    if options.layout == "fixed":
+        return rank2gpu, {"source": "default", "reason": "--layout fixed"}, None
+    from solvers.layout import LAYOUT_TIME_SHARE, plan_layout
+
+    now = time.monotonic()
+    plan = plan_layout(instance, options, deadline=now + LAYOUT_TIME_SHARE * max(0.0, deadline - now))
+    return plan.rank2gpu, {"source": "solvers.layout.plan_layout", **plan.details}, plan.phy2log
+
+
+def _expert_options(options: SolveOptions) -> SolveOptions:
+    """The options the expert placer sizes its deterministic work by: the limit's share left after
+    the rank layout (a function of the limit alone, so the result does not depend on the clock)."""
+    if options.layout == "fixed":
+        return options
+    from solvers.layout import LAYOUT_TIME_SHARE
+
+    return dataclasses.replace(options, time_limit_s=options.time_limit_s * (1.0 - LAYOUT_TIME_SHARE))
+
+
+def _check_consumer(instance: Instance, rank2gpu: np.ndarray, options: SolveOptions) -> None:
+    if options.consumer in ("deepep", "hybridep"):
+        placement = Placement(rank2gpu, np.tile(np.arange(instance.model.num_experts), (instance.model.num_moe_layers, 1)))
+        bad = deepep_violations(instance, placement)
+        if bad:
+            raise InfeasibleError(
+                f"--consumer {options.consumer}: the rank layout breaks the equal-consecutive-slices rule "
+                f"({bad[0]}{'; and ' + str(len(bad) - 1) + ' more' if len(bad) > 1 else ''})"
+            )
+
+
+@register("cpsat")
+def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
+    """Rank layout from :func:`choose_rank2gpu`, expert maps from :func:`place_experts`."""
+    deadline = options.resolved_deadline()
+    t0 = time.monotonic()
+    rank2gpu, layout_info, layout_phy2log = choose_rank2gpu(instance, options, deadline=deadline)
+    _check_consumer(instance, rank2gpu, options)
+    gp = bool(options.group_preserving_for(instance))
+    if options.objective != "total":
+        log.warning("cpsat: the expert maps minimise total cross-domain bytes; --objective %s only "
+                    "steers the rank layout", options.objective)
+    expert_options = _expert_options(options)
+    plan = place_experts(instance, rank2gpu, expert_options, deadline=deadline, hint_phy2log=layout_phy2log)
+    placement = Placement(rank2gpu, plan.phy2log)
+    status = "optimal" if plan.proved else "feasible"
+    params = {
+        "layout": options.layout,
+        "layout_source": layout_info["source"],
+        "consumer": options.consumer,
+        "group_preserving": gp,
+        "objective": options.objective,
+        "num_workers": int(options.num_workers),
+        "seed": int(options.seed),
+        "time_limit_s": float(options.time_limit_s),
+        "expert_time_limit_s": float(expert_options.time_limit_s),
+        "class_load_tolerance": CLASS_LOAD_TOLERANCE,
+        "gpu_load_tolerance": GPU_LOAD_TOLERANCE,
+        "validation_fraction": VALIDATION_FRACTION,
+        "det_per_wall_s": DET_PER_WALL_S,
+        "deterministic_time_total": plan.details["deterministic_time_total"],
+        "cpsat_workers_per_layer": 1,
+    }
+    details = {
+        "layout": layout_info,
+        "expert_objective": "total",
+        **plan.details,
+    }
+    log.info("cpsat: %s in %.1f s", status, time.monotonic() - t0)
+    return SolveResult(
+        placement=placement,
+        solver="cpsat",
+        status=status,
+        objective_bytes=plan.objective_bytes,
+        bound_bytes=plan.bound_bytes,
+        params=params,
+        details=details,
+        group_preserving=gp and instance.model.num_groups > 1 or not _moves_across_groups(instance, placement),
+        consumer=options.consumer,
+    )
+
+
+def _moves_across_groups(instance: Instance, placement: Placement) -> bool:
+    from placement.checker import violates_group_preservation
+
+    if instance.model.num_groups <= 1:
+        return False
+    return bool(violates_group_preservation(instance, placement))

@@ -1,0 +1,334 @@
+"""The expert placer (solvers/experts.py) and the bounds (solvers/bounds.py).
+
+References are brute force over every map on small random instances, and the evaluator
+(placement.cost.evaluate) for every cost the placer computes itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement.checker import check, violates_group_preservation
+from placement.cost import evaluate
+from placement.model import Placement
+from solvers.base import SolveOptions
+from solvers.bounds import per_pair_class_bound, sum_bounds, transport_optimum
+from solvers.default import default_rank2gpu
+from solvers.experts import (
+    SwapSearch,
+    balance_ranks,
+    build_layer_problem,
+    deterministic_budget,
+    greedy_expert_domains,
+    group_search,
+    layer_domain_cost,
+    linear_costs,
+    net_crossings,
+    place_experts,
+    rank_load_ratio,
+)
+from tests.conftest import random_instance, random_placement
+
+
+def _straddling(rng, **kw):
+    """A random instance and a random rank layout (so stages straddle domains)."""
+    inst = random_instance(rng, **kw)
+    r2g = rng.permutation(inst.cluster.num_gpus)[: inst.parallel.world_size]
+    return inst, r2g
+
+
+def _all_class_maps(capacity):
+    """Every expert -> class map with exactly ``capacity[c]`` experts in class ``c`` (each once)."""
+    E = int(sum(capacity))
+
+    def rec(free, c, e2c):
+        if c == len(capacity) - 1:
+            e2c[list(free)] = c
+            yield e2c.copy()
+            return
+        for chosen in itertools.combinations(free, int(capacity[c])):
+            e2c[list(chosen)] = c
+            yield from rec(tuple(e for e in free if e not in chosen), c + 1, e2c)
+
+    yield from rec(tuple(range(E)), 0, np.empty(E, dtype=np.int64))
+
+
+def _group_preserving(problem, e2c):
+    """Independent check: some bijection of expert groups onto blocks matches every group's class counts."""
+    gs, B, C = problem.expert_group_size, problem.num_blocks, problem.num_classes
+    s2c = problem.slot2class
+    block = [np.bincount(s2c[b * gs:(b + 1) * gs], minlength=C).tolist() for b in range(B)]
+    group = [np.bincount(e2c[p * gs:(p + 1) * gs], minlength=C).tolist() for p in range(B)]
+    return any(all(group[p] == block[perm[p]] for p in range(B)) for perm in itertools.permutations(range(B)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs agree with the evaluator
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), mode=st.sampled_from(["per_domain", "per_pair"]), tp=st.sampled_from([1, 2]),
+       ep=st.sampled_from([2, 4]))
+def test_layer_domain_cost_and_net_crossings_match_the_evaluator(seed, mode, tp, ep):
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=8, top_k=3, ep=ep, dp=4 // tp, tp=tp, pp=2, num_domains=3,
+                           trays_per_domain=2, gpus_per_tray=2, tokens=7, moe_layers=3, cost_mode=mode)
+    pl = random_placement(rng, inst)
+    metrics = evaluate(inst, pl)
+    e2r = pl.expert2eprank(inst.experts_per_rank)
+    for li in range(inst.model.num_moe_layers):
+        want = metrics.cross_domain_bytes_per_layer[li]
+        assert layer_domain_cost(inst, pl.rank2gpu, li, e2r[li]) == pytest.approx(want, rel=1e-12)
+        problem = build_layer_problem(inst, pl.rank2gpu, li, group_preserving=False, validation_fraction=0.25)
+        e2c = problem.rank2class[e2r[li]]
+        got = net_crossings(problem.nets_all, e2c, problem.class_sig, mode) * problem.bytes_per_crossing
+        assert got == pytest.approx(want, rel=1e-12)
+        # the fit and validation parts partition the sampled tokens
+        parts = [net_crossings(n, e2c, problem.class_sig, mode) for n in (problem.nets_fit, problem.nets_val)]
+        if not problem.trivial:
+            assert sum(parts) * problem.bytes_per_crossing == pytest.approx(want, rel=1e-12)
+            assert problem.nets_fit.num_tokens + problem.nets_val.num_tokens == problem.nets_all.num_tokens
+
+
+def test_layer_domain_cost_on_the_held_out_window():
+    rng = np.random.default_rng(3)
+    inst = random_instance(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, tokens=6)
+    pl = random_placement(rng, inst)
+    held = evaluate(inst, pl, window="heldout").cross_domain_bytes_per_layer
+    e2r = pl.expert2eprank(inst.experts_per_rank)
+    for li in range(3):
+        assert layer_domain_cost(inst, pl.rank2gpu, li, e2r[li], window="heldout") == pytest.approx(held[li])
+
+
+# ---------------------------------------------------------------------------------------------
+# The swap search's incremental deltas are exact
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), mode=st.sampled_from(["per_domain", "per_pair"]))
+def test_swap_deltas_are_exact_and_incremental_state_matches_a_fresh_one(seed, mode):
+    rng = np.random.default_rng(seed)
+    inst, r2g = _straddling(rng, num_experts=12, top_k=3, ep=6, dp=6, pp=1, num_domains=3, trays_per_domain=2,
+                            gpus_per_tray=2, tokens=9, moe_layers=1, cost_mode=mode)
+    problem = build_layer_problem(inst, r2g, 0, group_preserving=False, validation_fraction=0)
+    if problem.num_classes < 2:
+        return
+    nets = problem.nets_all
+    search = SwapSearch(problem, nets)
+    e2c = rng.permutation(problem.slot2class)
+    search._init_state(e2c)
+    base = search.cost(e2c)
+    for e in range(problem.num_experts):
+        for f in range(problem.num_experts):
+            a, b = e2c[e], e2c[f]
+            if a == b:
+                continue
+            predicted = search.M[e, b] + search.M[f, a]
+            if search.R is not None:
+                predicted -= search.R[b][e, f] + search.R[a][f, e]
+            moved = e2c.copy()
+            moved[e], moved[f] = b, a
+            assert predicted == search.cost(moved) - base
+    # a few swaps applied incrementally leave the same state as computing it afresh
+    cur = e2c.copy()
+    for _ in range(4):
+        e, f = rng.choice(problem.num_experts, 2, replace=False)
+        if cur[e] != cur[f]:
+            search._apply(cur, int(e), int(f))
+    M, R, cnt = search.M.copy(), None if search.R is None else search.R.copy(), search.cnt.copy()
+    search._init_state(cur)
+    assert np.array_equal(cnt, search.cnt) and np.allclose(M, search.M)
+    if R is not None:
+        assert np.allclose(R, search.R)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small instances: the pipeline returns the proved optimum (brute force over every map)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["per_domain", "per_pair"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_free_mode_returns_the_brute_force_optimum(seed, mode):
+    rng = np.random.default_rng(seed)
+    inst, r2g = _straddling(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=2,
+                            gpus_per_tray=2, tokens=10, moe_layers=2, cost_mode=mode)
+    opts = SolveOptions(time_limit_s=30, seed=0, num_workers=1, group_preserving=False)
+    plan = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, validation_fraction=0.0, deterministic_time=20.0)
+    pl = Placement(r2g, plan.phy2log)
+    assert check(inst, pl) == []
+    assert plan.objective_bytes == pytest.approx(evaluate(inst, pl).cross_domain_bytes_per_step)
+    for li, d in enumerate(plan.details["layers"]):
+        problem = build_layer_problem(inst, r2g, li, group_preserving=False, validation_fraction=0)
+        if problem.trivial:
+            assert d["objective_crossings"] == 0
+            continue
+        cap = problem.load_cap(d["load_tolerance"])
+        space = [m for m in _all_class_maps(problem.class_capacity) if (problem.class_loads(m) <= cap).all()]
+        space.append(problem.default_expert2class)  # the default map is always a candidate
+        best = min(net_crossings(problem.nets_all, m, problem.class_sig, mode) for m in space)
+        assert d["objective_crossings"] == best, d
+        assert d["status"] == "optimal" and d["bound_crossings"] == best
+    assert plan.bound_bytes == pytest.approx(plan.objective_bytes)
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_group_preserving_mode_returns_the_brute_force_optimum_and_keeps_groups(seed):
+    rng = np.random.default_rng(seed)
+    inst, r2g = _straddling(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=2,
+                            gpus_per_tray=2, tokens=10, moe_layers=2, num_groups=2, groups_per_token=1)
+    opts = SolveOptions(time_limit_s=30, seed=0, num_workers=1)
+    assert opts.group_preserving_for(inst)
+    plan = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, validation_fraction=0.0, deterministic_time=20.0)
+    pl = Placement(r2g, plan.phy2log)
+    assert check(inst, pl) == [] and violates_group_preservation(inst, pl) == []
+    for li, d in enumerate(plan.details["layers"]):
+        problem = build_layer_problem(inst, r2g, li, group_preserving=True, validation_fraction=0)
+        if problem.trivial:
+            continue
+        cap = problem.load_cap(d["load_tolerance"])
+        space = [m for m in _all_class_maps(problem.class_capacity)
+                 if _group_preserving(problem, m) and (problem.class_loads(m) <= cap).all()]
+        space.append(problem.default_expert2class)
+        best = min(net_crossings(problem.nets_all, m, problem.class_sig, "per_domain") for m in space)
+        assert d["objective_crossings"] == best and d["bound_crossings"] == best, d
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_group_search_bound_is_valid_and_its_map_preserves_groups(seed):
+    rng = np.random.default_rng(seed)
+    inst, r2g = _straddling(rng, num_experts=12, top_k=3, ep=6, dp=6, pp=1, num_domains=3, trays_per_domain=2,
+                            gpus_per_tray=2, tokens=12, moe_layers=1, num_groups=3, groups_per_token=2)
+    problem = build_layer_problem(inst, r2g, 0, group_preserving=True, validation_fraction=0)
+    if problem.trivial:
+        pytest.skip("layout put the stage in one domain")
+    cap = problem.load_cap(10.0)  # no load cap: compare with every group-preserving map
+    start = problem.default_expert2class
+    res = group_search(problem, problem.nets_all, cap, start, deterministic_time=0.0, seed=0,
+                       deadline=time.monotonic() + 60)
+    space = [m for m in _all_class_maps(problem.class_capacity) if _group_preserving(problem, m)]
+    best = min(net_crossings(problem.nets_all, m, problem.class_sig, "per_domain") for m in space)
+    assert res.bound <= best <= res.crossings
+    assert _group_preserving(problem, res.best)
+    assert res.crossings == net_crossings(problem.nets_all, res.best, problem.class_sig, "per_domain")
+
+
+# ---------------------------------------------------------------------------------------------
+# The validation guard, the committed tiny instance, determinism
+# ---------------------------------------------------------------------------------------------
+def test_never_worse_than_the_default_on_the_validation_part(tiny):
+    inst = tiny.for_solver()
+    r2g = np.random.default_rng(0).permutation(np.flatnonzero(inst.cluster.available))[: inst.parallel.world_size]
+    for gp in (True, False):
+        opts = SolveOptions(time_limit_s=10, seed=1, num_workers=1, group_preserving=gp)
+        plan = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60)
+        for d in plan.details["layers"]:
+            if d["status"] != "trivial":
+                assert d["validation_crossings"] <= d["default_validation_crossings"], d
+        pl = Placement(r2g, plan.phy2log)
+        assert check(inst, pl) == []
+        assert (violates_group_preservation(inst, pl) == []) or not gp
+
+
+def test_same_seed_same_maps_in_process_and_in_a_pool(tiny):
+    inst = tiny.for_solver()
+    r2g = default_rank2gpu(inst)
+    plans = [place_experts(inst, r2g, SolveOptions(time_limit_s=8, seed=3, num_workers=w), deadline=time.monotonic() + 60,
+                           deterministic_time=0.5)
+             for w in (1, 1, 2)]
+    assert np.array_equal(plans[0].phy2log, plans[1].phy2log)
+    assert np.array_equal(plans[0].phy2log, plans[2].phy2log)  # the pool gives what one process gives
+    assert plans[0].details == plans[1].details == plans[2].details
+
+
+def test_a_stop_request_returns_default_maps_at_once(tiny):
+    import threading
+
+    inst = tiny.for_solver()
+    stop = threading.Event()
+    stop.set()
+    opts = SolveOptions(time_limit_s=30, seed=0, num_workers=1, stop_event=stop)
+    t0 = time.monotonic()
+    plan = place_experts(inst, default_rank2gpu(inst), opts, deadline=time.monotonic() + 30)
+    assert time.monotonic() - t0 < 5
+    assert check(inst, Placement(default_rank2gpu(inst), plan.phy2log)) == []
+    assert all(d["status"] in ("trivial", "heuristic") for d in plan.details["layers"])
+
+
+def test_an_expert_map_hint_is_used_as_a_start(tiny):
+    inst = tiny.for_solver()
+    r2g = default_rank2gpu(inst)
+    opts = SolveOptions(time_limit_s=8, seed=0, num_workers=1)
+    plain = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60)
+    hinted = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, hint_phy2log=plain.phy2log)
+    for d in hinted.details["layers"]:
+        if d["status"] != "trivial":
+            assert "layout_hint" in d["candidates"] or d.get("local_search_start") in ("greedy", "default", "layout_hint")
+    with pytest.raises(Exception, match="hint_phy2log"):
+        place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, hint_phy2log=plain.phy2log[:1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces: greedy, balancing, bounds, budgets
+# ---------------------------------------------------------------------------------------------
+def test_greedy_expert_domains_respects_capacities_and_ranks():
+    rng = np.random.default_rng(11)
+    inst, r2g = _straddling(rng, num_experts=16, top_k=4, ep=8, dp=8, pp=1, num_domains=3, trays_per_domain=2,
+                            gpus_per_tray=2, tokens=20, moe_layers=1)
+    problem = build_layer_problem(inst, r2g, 0, group_preserving=False)
+    for tol in (None, 0.2):
+        for ls in (False, True):
+            g = greedy_expert_domains(problem, load_tolerance=tol, local_search=ls)
+            assert np.array_equal(np.bincount(g.expert2class, minlength=problem.num_classes), problem.class_capacity)
+            assert np.array_equal(problem.rank2class[g.expert2eprank], g.expert2class)
+            assert np.array_equal(np.bincount(g.expert2eprank, minlength=problem.ep),
+                                  np.full(problem.ep, problem.experts_per_rank))
+            assert g.crossings == net_crossings(problem.nets_all, g.expert2class, problem.class_sig, "per_domain")
+    plain = greedy_expert_domains(problem)
+    polished = greedy_expert_domains(problem, local_search=True)
+    assert polished.crossings <= plain.crossings
+
+
+def test_balancing_meets_the_gpu_tolerance_when_loads_allow_and_keeps_classes():
+    rng = np.random.default_rng(12)
+    inst, r2g = _straddling(rng, num_experts=64, top_k=4, ep=4, dp=4, pp=1, num_domains=2, trays_per_domain=1,
+                            gpus_per_tray=4, tokens=400, moe_layers=1)
+    problem = build_layer_problem(inst, r2g, 0, group_preserving=False)
+    e2c = problem.default_expert2class
+    slots = balance_ranks(problem, e2c)
+    assert np.array_equal(np.sort(slots), np.arange(problem.num_experts))
+    assert np.array_equal(problem.slot2class[slots], e2c)  # balancing never changes a class
+    ratio = rank_load_ratio(problem, slots)
+    assert ratio <= 1.10
+    assert ratio <= rank_load_ratio(problem, np.arange(problem.num_experts))
+
+
+def test_transport_optimum_is_the_brute_force_optimum_and_the_lp_bounds_it():
+    rng = np.random.default_rng(13)
+    inst, r2g = _straddling(rng, num_experts=8, top_k=3, ep=4, dp=4, pp=1, num_domains=3, trays_per_domain=2,
+                            gpus_per_tray=2, tokens=9, moe_layers=1, cost_mode="per_pair")
+    problem = build_layer_problem(inst, r2g, 0, group_preserving=False, validation_fraction=0)
+    if problem.trivial:
+        pytest.skip("layout put the stage in one domain")
+    nets = problem.nets_all
+    maps = list(_all_class_maps(problem.class_capacity))
+    costs = [net_crossings(nets, m, problem.class_sig, "per_pair") for m in maps]
+    opt, e2c = transport_optimum(linear_costs(problem, nets), problem.class_capacity)
+    assert opt == min(costs) == net_crossings(nets, e2c, problem.class_sig, "per_pair")
+    exact = per_pair_class_bound(problem, nets, None)
+    assert exact.integral and exact.bound == min(costs)
+    cap = problem.load_cap(0.1)
+    within = [c for m, c in zip(maps, costs) if (problem.class_loads(m) <= cap).all()]
+    lp = per_pair_class_bound(problem, nets, cap)
+    if within:
+        assert lp.bound is not None and lp.bound <= min(within) + 1e-6
+    assert sum_bounds([1.0, 2.0]) == 3.0 and sum_bounds([1.0, None]) is None
+
+
+def test_deterministic_budget_depends_only_on_its_arguments():
+    a = deterministic_budget(100.0, 2, [1.0, 3.0, 0.0], [10.0, 10.0, 0.0])
+    b = deterministic_budget(100.0, 2, [1.0, 3.0, 0.0], [10.0, 10.0, 0.0])
+    assert a == b and a[2] == 0.0 and a[1] == pytest.approx(3 * a[0])
+    assert deterministic_budget(1.0, 2, [1.0], [1e9]) == [0.0]  # no time left: no CP-SAT
