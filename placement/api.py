@@ -73,7 +73,7 @@ __all__ = [
     "SignalStop",
 ]
 
-DEFAULT_SOLVER = "default"
+DEFAULT_SOLVER = "cpsat"
 # Seconds kept back from the time limit, beyond the scoring estimate, for checking the answer,
 # building its document and writing the file.  Measured overruns are in the README.
 FINISH_RESERVE_S = 0.5

@@ -105,6 +105,8 @@ _OVERHEAD_S_PER_10K_NETS = 0.8
 _CPSAT_SHARE = 0.6
 #: Fixed wall seconds kept for process start-up, the final evaluation and writing.
 _FIXED_OVERHEAD_S = 6.0
+#: Sampled (token, expert) pairs on straddling layers from which a process pool pays for its start.
+POOL_MIN_PAIRS = 200_000
 #: Local-search limits (deterministic: counted in swaps, never in seconds).
 _MAX_SWAPS = 400
 _MAX_GROUP_ROUNDS = 8
@@ -1982,6 +1984,7 @@ def place_experts(
     class_tolerance: float = CLASS_LOAD_TOLERANCE,
     deterministic_time: float | None = None,
     hint_phy2log: np.ndarray | None = None,
+    use_pool: bool | None = None,
 ) -> ExpertPlan:
     """Optimise every MoE layer's expert map for a FIXED rank layout ``rank2gpu``.
 
@@ -1999,6 +2002,9 @@ def place_experts(
     deterministic_time : total CP-SAT deterministic budget (default: from the time limit).
     hint_phy2log : (num_moe_layers, num_experts) an expert map to start from as well (e.g. the one the
         rank layout was scored with); used where it meets the load caps.
+    use_pool : solve layers in a process pool (``None``: when the instance has at least
+        :data:`POOL_MIN_PAIRS` sampled (token, expert) pairs on straddling layers and more than one
+        worker; starting processes costs seconds).  The maps do not depend on it.
 
     Returns
     -------
@@ -2057,7 +2063,9 @@ def place_experts(
         hard.sort(key=lambda li: (-weight_of[li], li))
         tasks = [task(li) for li in hard]
         workers = max(1, min(int(options.num_workers), len(tasks)))
-        if workers == 1:
+        if use_pool is None:
+            use_pool = sum(pairs) >= POOL_MIN_PAIRS
+        if workers == 1 or not use_pool:
             for t in tasks:
                 finished(_solve_layer_task(t))
         else:

@@ -34,7 +34,7 @@ def test_public_names_resolve():
 
 def test_solve_scores_and_saves_without_printing(tiny, tmp_path, capsys):
     result = placement.solve(tiny, time_limit_s=30, seed=1)
-    assert isinstance(result, SolveResult) and result.solver == "default"
+    assert isinstance(result, SolveResult) and result.solver == placement.DEFAULT_SOLVER
     assert result.metrics == report(tiny, result.placement)
     assert result.params["seed"] == 1 and result.params["time_limit_s"] == 30
     assert 0 < result.wall_s < 30

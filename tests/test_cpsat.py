@@ -68,8 +68,8 @@ def test_never_worse_than_the_default_layout_on_sampled_tokens_of_a_random_insta
 
 
 def test_two_runs_with_the_same_seed_write_identical_files(tmp_path):
-    """Byte for byte, through the CLI, with a two-process pool (layout fixed: the layout search's own
-    details carry wall times, see tests/test_api.py)."""
+    """Byte for byte, through the CLI (layout fixed: the layout search's own details carry wall times,
+    see tests/test_api.py).  The pool path is compared with the in-process one in test_experts.py."""
     paths = [tmp_path / f"run{i}.json" for i in range(2)]
     for p in paths:
         code = main(["solve", str(INSTANCES / "tiny.json"), "-o", str(p), "--solver", "cpsat", "--seed", "7",
