@@ -22,8 +22,9 @@ MoE layer, on the default rank layout (sources fixed where the default puts them
   tokens wins.  A partitioner alone lost to the contiguous default on ``dsv3_ep256`` (its
   group-limited routing makes contiguous groups strong); refining the default too is how a careful
   user would run it, and it keeps this peer at least as good as the default on the sampled tokens.
-- Then the experts of each block go onto its EP ranks by balanced packing on expert load (LPT with
-  equal counts, :func:`solvers.eplb.pack_within_nodes`), as EPLB's last step does.
+- Then the experts of each block go onto its EP ranks by the same within-domain balancing as ours,
+  :func:`solvers.experts.balance_ranks` (longest-processing-time packing, then swaps that lower the
+  busiest rank, on each EP group's normalised load).
 
 Mt-KaHyPar runs with the ``DETERMINISTIC_QUALITY`` preset (falling back to ``DETERMINISTIC`` on
 versions without it), ``options.num_workers`` threads and ``mtkahypar.set_seed(options.seed)``:
@@ -44,7 +45,8 @@ from placement.cost import LayoutIndex
 from placement.model import CostMode, Instance, InvalidInputError, Placement, SolverError
 from solvers.base import SolveOptions, SolveResult
 from solvers.default import default_rank2gpu
-from solvers.eplb import expert_loads, pack_within_nodes, stage_rank_nodes
+from solvers.eplb import stage_rank_nodes
+from solvers.experts import balance_ranks, build_layer_problem
 from solvers.registry import register
 
 __all__ = ["layer_nets", "km1", "partition_layer", "repair_capacities", "kahypar_phy2log", "solve_kahypar"]
@@ -280,7 +282,6 @@ def kahypar_phy2log(
     topk = instance.routing.topk
     epr = instance.experts_per_rank
     layout = LayoutIndex(instance, rank2gpu, instance.routing.tokens_per_source)
-    loads = expert_loads(topk, m.num_experts)
     deadline = options.resolved_deadline()
     stage_of = instance.moe_layer2stage
     nodes = {int(s): stage_rank_nodes(instance, rank2gpu, int(s)) for s in np.unique(stage_of)}
@@ -305,7 +306,16 @@ def kahypar_phy2log(
             seed=options.seed,
             num_threads=options.num_workers,
         )
-        phy2log[li] = pack_within_nodes(loads[li], e2b, rank2node, epr)
+        # Within-domain balancing: the same as ours (solvers.experts.balance_ranks) on its classes,
+        # which are these blocks under another numbering.
+        problem = build_layer_problem(instance, rank2gpu, li, group_preserving=False, validation_fraction=0.0,
+                                      layout=layout)
+        node2class = np.empty(len(capacities), dtype=np.int64)
+        node2class[rank2node] = problem.rank2class
+        if not (node2class[rank2node] == problem.rank2class).all() or len(np.unique(node2class)) != len(node2class):
+            raise SolverError(f"layer {li}: the partition blocks are not the expert placer's classes")
+        expert2slot = balance_ranks(problem, node2class[e2b])
+        phy2log[li] = np.argsort(expert2slot)
         facts.append({"layer": li, "solved": True, "blocks": len(capacities), **info})
         log.debug("kahypar layer %d: km1 %d in %.2f s", li, info["km1"], time.monotonic() - t0)
         options.report(f"kahypar: layer {li + 1}/{m.num_moe_layers}, km1 {info['km1']}")
