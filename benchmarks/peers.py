@@ -236,9 +236,11 @@ def markdown_table(result: dict) -> str:
             f"| {m['heldout_expert_load_max_over_mean']:.3f} | {r['wall_s']:.1f} | {'yes' if r['group_preserving'] else 'no'} |"
         )
     bound = result["bound"]
-    what = "" if not bound else " (ours, its search space, partial)" if bound["partial"] else " (ours, its search space)"
-    lines.append(f"| lower bound{what} "
-                 f"| {_bytes(bound['bytes']) if bound else 'n/a'} | | | | | | |")
+    if bound is None or (bound["partial"] and bound["bytes"] == 0):
+        lines.append("| lower bound | n/a | | | | | | |")
+    else:
+        what = "ours, its search space" + (", layers without one count 0" if bound["partial"] else "")
+        lines.append(f"| lower bound ({what}) | {_bytes(bound['bytes'])} | | | | | | |")
     t = result["target"]
     if t.get("met") is None:
         lines.append(f"\ntarget: not checked ({t.get('note')}); best peer on held-out tokens: {t['best_peer']}")
