@@ -63,6 +63,12 @@ def _mtkahypar() -> Any:
         raise SolverError(
             "solver 'kahypar' needs Mt-KaHyPar, an optional extra: pip install -e '.[peers]'"
         ) from exc
+    if not all(hasattr(mtkahypar, name) for name in ("initialize", "set_seed", "PresetType", "Objective")):
+        version = getattr(mtkahypar, "__version__", "unknown")
+        raise SolverError(
+            f"solver 'kahypar' needs Mt-KaHyPar's Python API with initialize()/context_from_preset() "
+            f"(tested with 1.7), found mtkahypar {version}: pip install -U mtkahypar"
+        )
     return mtkahypar
 
 
