@@ -268,9 +268,9 @@ def eplb_phy2log(instance: Instance, rank2gpu: np.ndarray) -> np.ndarray:
 def solve_eplb(instance: Instance, options: SolveOptions) -> SolveResult:
     """DeepSeek EPLB's hierarchical balanced packing on the default rank layout (no search).
 
-    Ignores ``options`` except that it is a peer baseline: no time limit is needed (it runs in
-    milliseconds per layer) and the consumer and group-preservation requests are not honoured; the
-    result says whether its maps happen to be group-preserving.
+    ``options`` are not used: it needs no time limit (milliseconds per layer), and as a peer it does
+    not honour consumer or group-preservation requests; the result says whether its maps happen to
+    be group-preserving.
     """
     from placement.cost import evaluate
 
