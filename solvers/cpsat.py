@@ -32,7 +32,6 @@ from placement.model import InfeasibleError, Instance, Placement
 from solvers.base import SolveOptions, SolveResult
 from solvers.default import default_rank2gpu
 from solvers.experts import (
-    CLASS_LOAD_TOLERANCE,
     DET_PER_WALL_S,
     GPU_LOAD_TOLERANCE,
     VALIDATION_FRACTION,
@@ -113,7 +112,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         "seed": int(options.seed),
         "time_limit_s": float(options.time_limit_s),
         "expert_time_limit_s": float(expert_options.time_limit_s),
-        "class_load_tolerance": CLASS_LOAD_TOLERANCE,
+        "class_load_tolerance": plan.details["class_load_tolerance"],
         "gpu_load_tolerance": GPU_LOAD_TOLERANCE,
         "validation_fraction": VALIDATION_FRACTION,
         "det_per_wall_s": DET_PER_WALL_S,
