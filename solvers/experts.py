@@ -63,7 +63,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import signal
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -2005,6 +2007,17 @@ def _default_outcome(layer: int, reason: str) -> LayerOutcome:
     return LayerOutcome(layer, np.arange(E, dtype=np.int64), -1, None, False, details)
 
 
+def _spawn_can_start() -> bool:
+    """Whether "spawn" children can re-create ``__main__``: not when it was read from stdin or ``-c``
+    (its ``__file__`` is not a file).  There a child dies in its preparation and the parent can block
+    writing the task payload to it, so such callers are served in-process."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        return True  # interactive (spawn does not re-run it) or ``python -m``
+    return os.path.isfile(path)
+
+
 def _run_pool(tasks: list, workers: int, deadline: float, init_args: tuple, finished: Callable, outcomes: dict,
               options: SolveOptions) -> None:
     """Run layer tasks in a pool of ``workers`` spawned processes until done, the deadline or a stop.
@@ -2142,6 +2155,10 @@ def place_experts(
         workers = max(1, min(int(options.num_workers), len(tasks)))
         if use_pool is None:
             use_pool = sum(pairs) >= POOL_MIN_PAIRS
+        if use_pool and workers > 1 and not _spawn_can_start():
+            log.warning("expert placement: worker processes cannot re-import this __main__ (stdin or -c); "
+                        "solving in this process")
+            use_pool = False
         if workers == 1 or not use_pool:
             for t in tasks:
                 finished(_solve_layer_task(t))
