@@ -30,19 +30,25 @@ Step 2, footprints, jointly with the experts at domain granularity.  A block's *
     are priced up front; any other shape enters with an estimate built from them (what lands in
     each part when the rest of the block is one domain, summed over its parts), never below two
     lower bounds (merging two parts never costs more; and the cost is at least half the sum of its
-    parts' two-part prices); after each solve the picked shapes that were only estimated are
-    priced and the model is solved again, until its pick is priced everywhere (then it is optimal
-    for the prices) or the budget ends; shapes whose lower bound exceeds the incumbent are left
-    out.  The objective is ``total`` (cross-domain bytes per step) or ``bottleneck`` (the slowest
-    stage's all-to-all time: per layer the busier of its busiest NIC and its NVLink floor, summed
-    over the stage), the other one a tie-breaker with a tiny weight.  The warm start is a first-fit
-    heuristic layout (blocks with most MoE layers first, each into the tightest domain that holds
-    it, the rest split over the domains with most room) together with the default layout's own
-    shapes: HiGHS as scipy exposes it takes no starting solution, so the best of them is the
-    fallback when a solve runs out of time, the yardstick every pick must beat, and the cutoff
-    that prunes shapes.  (CP-SAT was tried first on the same model: with one worker it took
-    10-20 s to prove what HiGHS proves in a few, and its interleaved multi-worker mode, the
-    deterministic one, stalled far from the optimum.)
+    parts' two-part prices).  After each solve, every straddling (block, shape) of the pick is
+    scored *exactly* (all of the block's own MoE layers) and that exact score replaces the price in
+    the next solve; the loop ends when the pick is exact everywhere (then it is optimal for the
+    prices) or the work budget ends; shapes priced above the incumbent are left out.
+
+    Objectives.  ``total`` (the default) minimises total cross-domain bytes per step,
+    ``bottleneck`` the slowest stage's all-to-all time (per layer the busier of its busiest NIC and
+    its NVLink floor, summed over the stage), the other one a tie-breaker.
+
+    Candidates.  Complete layouts are scored exactly on the estimator and compete at the end: the
+    ``default`` layout, ``first_fit`` (blocks with most MoE layers first, each into the tightest
+    domain that holds it, the rest split over the domains with most room), the MILP's pick and the
+    pick with moved replicas (Step 3).  Their footprints are the MILP's warm start (HiGHS as scipy
+    exposes it takes no starting solution, so the best of them is the fallback, the yardstick every
+    pick must beat and the cutoff that prunes shapes), and their blocks' scores are exact entries
+    of the model.  The default layout is scored before anything else, whatever the budget.  (CP-SAT was
+    tried first on the footprint model: with one worker it took 10-20 s to prove what HiGHS proves
+    in a few, and its interleaved multi-worker mode, the deterministic one, stalled far from the
+    optimum.)
 Step 3, data-parallel sources.  On a straddling block, which replica runs on which side matters
     when replicas route differently.  The module *alternates*: with the experts fixed, replicas go
     to the block's parts by an assignment problem (``scipy.optimize.linear_sum_assignment``, cost =
@@ -60,22 +66,32 @@ Step 4, concrete GPUs.  Each block's parts get whole free trays of their domain 
     parts.  The result is checked with :func:`placement.checker.deepep_violations` when a consumer
     rule is asked for.
 
-Never worse than the default: the default layout is scored with the same estimator and its shapes
-are a hint; the planned layout is returned only if its estimate is no worse (``details`` says which
-won).  The estimator is exact for a given expert map (it counts what :mod:`placement.cost` counts;
-``tests/test_layout.py`` checks it against the evaluator); the caveat is that each EP group is
-scored with its own expert map, while the EP groups of one stage share one map (with the default
-order and ``dp == ep``, as on the committed DeepSeek-V3 instances, a stage is one EP group).
+The choice.  Among the candidates, the best on the objective (bytes then time for ``total``, time
+then bytes for ``bottleneck``); ``details["candidates"]`` lists them all.  As the default layout is
+one, the layout returned is never worse than the default on its estimate.  The estimator counts
+bytes exactly for a given expert map (what :mod:`placement.cost` counts; ``tests/test_layout.py``
+checks it against the evaluator); its times are close but not exact (per-block sums of per-layer
+maxima, the NVLink floor of the contiguous map).  Each
+EP group is scored with its own expert map, while the EP groups of one stage share one map (with the
+default order and ``dp == ep``, as on the committed DeepSeek-V3 instances, a stage is one EP group).
 
 The footprint and the expert placement are modelled *jointly at domain granularity* (every shape
 is priced with its own expert placement), and the data-parallel sources and the experts of a
 straddling block are *alternated* until neither improves (Step 3).
 
-Determinism: the same instance, options and seed give the same layout.  Every step is a pure
-function of its inputs (swap searches count swaps, HiGHS is deterministic) except the safety nets
-against the deadline: a MILP solve stopped by its time limit, or pricing stopped by the deadline,
-may end differently on a faster or slower machine; ``details["wall_clock_cut"]`` says when that
-happened.
+Determinism and the clock.  The layout's work is sized by a deterministic budget
+(``LAYOUT_TIME_SHARE * options.time_limit_s`` predicted seconds, ``options.time_limit_s`` being the
+solver's work budget, which depends on the instance's size only): every step (pricing a shape,
+scoring a block, a MILP round, the replica alternation) is started only if
+its *predicted* cost fits what is left, predicted from sizes and counts, never from the clock
+(:class:`_Budget`).  HiGHS gets a node limit (deterministic) and solves each round to the end;
+every other step is a pure function of its inputs (swap searches count swaps).  So the same
+instance, options and seed give the same layout and the same ``details``, byte for byte, on a fast
+or a busy machine.  The wall-clock deadline and stop requests are the safety net: they are polled
+between steps (HiGHS gets the wall time left, at least 0.5 s, as its time limit), and the best complete
+candidate so far is returned; ``details["wall_clock_cut"]``
+says when that happened (the only case where the result can depend on the clock).  ``details``
+holds no wall-clock value (timings go to the log).
 """
 
 from __future__ import annotations
@@ -120,13 +136,28 @@ MAX_SHAPES_PER_BLOCK = 2500
 VALIDATION_FRACTION = 0.25
 #: Rounds of the replicas <-> experts alternation on a straddling block.
 MAX_SOURCE_ROUNDS = 4
-#: Share of the layout's own budget kept for the replicas <-> experts alternation and final scoring.
-FINISH_SHARE = 0.2
-#: Share of the solver's remaining time that ``solvers.cpsat`` gives the rank layout (the expert
-#: placer gets the rest; with most blocks inside one domain most of its layers are trivial).
+#: Share of the solver's work budget (``SolveOptions.time_limit_s``) and of its remaining wall time
+#: that ``solvers.cpsat`` gives the rank layout (the expert placer gets the rest; with most blocks
+#: inside one domain most of its layers are trivial).
 LAYOUT_TIME_SHARE = 0.5
-#: Wall-clock cap of one MILP solve (seconds); a round also takes at most 30% of the time left.
-_MAX_ROUND_S = 10.0
+#: Share of the layout's work budget kept for the replicas <-> experts alternation.
+FINISH_SHARE = 0.2
+#: Predicted seconds of one expert placement on the parts of one EP group in one layer
+#: (:func:`place_on_parts`): ``_SCORE_BASE_S + _SCORE_S_PER_PAIR * pairs * (parts - 1) ** 1.3``,
+#: ``pairs`` the group's (token, expert) pairs.  Fitted on the committed instances (1-50 ms per
+#: call; the swap search grows with the parts); used for the deterministic work budget only.
+_SCORE_BASE_S = 1e-3
+_SCORE_S_PER_PAIR = 1e-7
+#: Predicted seconds of one footprint MILP: ``_MILP_BASE_S + _MILP_S_PER_NNZ_1_5 * nonzeros ** 1.5``
+#: (HiGHS solves these models at the root node: 0.01 s at 230 nonzeros, 0.7-2.1 s at 19,500 on
+#: dsv3_1024, measured on the 2-core build machine).
+_MILP_BASE_S = 0.02
+_MILP_S_PER_NNZ_1_5 = 8e-7
+#: The min-max (``bottleneck``) model leaves HiGHS a weak LP bound: its rounds take several times
+#: longer (6-13 s on dsv3_1024, against 0.7-2 s for ``total``), and vary more.
+_MILP_BOTTLENECK_FACTOR = 4.0
+#: Deterministic cap on the branch-and-bound nodes of one footprint MILP (HiGHS ``node_limit``).
+_MILP_NODE_LIMIT = 500
 #: Weight of the tie-breaking objective relative to the first one (prices in GB and ms).
 _TIE_BREAK = 1e-6
 #: Scale of the MILP's prices: gigabytes and milliseconds.
@@ -142,9 +173,10 @@ class LayoutPlan:
     """What :func:`plan_layout` returns.
 
     rank2gpu : (world,) int64, physical GPU of each global rank.
-    details : JSON-serialisable facts: per-stage footprints over domains, the estimated total
-        cross-domain bytes per step and slowest-stage all-to-all time of the plan and of the default
-        layout, which one was chosen, solver status, timings.
+    details : JSON-serialisable, deterministic facts (no wall-clock values): per-stage footprints
+        over domains, the estimated total cross-domain bytes per step and slowest-stage all-to-all
+        time of every candidate (``candidates``) and of the chosen one, solver status, the work
+        budget and what it paid for.
     phy2log : (num_moe_layers, num_experts) int64 expert map the layout was scored with (domain
         level: which experts sit in which domain; inside a domain the order is by expert id).  A
         valid placement together with ``rank2gpu``; the expert placer refines it.
@@ -225,6 +257,65 @@ class ShapeScore:
     layer_nic_s: tuple[float, ...] = ()
     part_bytes: tuple[float, ...] = ()
     part_nic_s: tuple[float, ...] = ()
+
+
+# =============================================================================================
+# The work budget: deterministic decisions, the wall clock as a safety net
+# =============================================================================================
+class _Stopped(Exception):
+    """The wall-clock deadline passed, or the caller asked to stop, inside a step."""
+
+
+class _Budget:
+    """The layout's work budget in *predicted* seconds, and the wall-clock safety net.
+
+    Every decision to start a step (price a shape, solve a MILP round, move replicas) is taken on predicted costs alone: functions of the instance's sizes and of counts
+    of work done (:meth:`BlockScorer.predict_s`, :func:`_milp_predict_s`), never of the clock, so the
+    same instance, options and seed do the same work on a fast or a busy machine.  The deadline and
+    stop requests are polled between steps (:meth:`stopped`);
+    when one ends a step, :attr:`cut` records it (the only way the result can depend on the clock).
+
+    Parameters
+    ----------
+    work_s : the budget, predicted seconds.
+    deadline : ``time.monotonic()`` instant of the safety net.
+    options : for :meth:`SolveOptions.stop_requested`.
+    """
+
+    def __init__(self, work_s: float, deadline: float, options: SolveOptions):
+        self.work_s = float(work_s)
+        self.deadline = float(deadline)
+        self.options = options
+        self.charged_s = 0.0  # predicted seconds of MILP solves
+        self.scorers: list[BlockScorer] = []  # their expert placements count too
+        self.cut = False  # the wall clock or a stop request ended a step
+        self.exhausted = False  # a step was skipped because the budget could not afford it
+
+    def spent_s(self) -> float:
+        return self.charged_s + sum(sc.work_s for sc in self.scorers)
+
+    def affords(self, predicted_s: float) -> bool:
+        """True when ``predicted_s`` fits in what is left (deterministic); records when it does not."""
+        ok = self.spent_s() + predicted_s <= self.work_s
+        self.exhausted = self.exhausted or not ok
+        return ok
+
+    def charge(self, predicted_s: float) -> None:
+        self.charged_s += float(predicted_s)
+
+    def stopped(self) -> bool:
+        """True once the deadline has passed or a stop was requested (and :attr:`cut` is set)."""
+        if self.options.stop_requested() or time.monotonic() >= self.deadline:
+            self.cut = True
+        return self.cut
+
+    def check(self) -> None:
+        """Raise :class:`_Stopped` when :meth:`stopped`."""
+        if self.stopped():
+            raise _Stopped
+
+    def wall_left_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
 
 
 # =============================================================================================
@@ -697,6 +788,25 @@ class BlockScorer:
         self._tokens: dict[tuple[int, int, int], _Tokens] = {}
         self._scores: dict[tuple, tuple[ShapeScore, list]] = {}
         self._nvl: dict[int, float] = {}
+        #: predicted seconds of the expert placements done so far (deterministic: counts only)
+        self.work_s = 0.0
+
+    # ---- the work model (deterministic) ---------------------------------------------------
+    def pairs_per_group(self) -> int:
+        """(token, expert) pairs of one EP group in one layer, in this scorer's token range."""
+        t0, t1 = self.token_range
+        par = self.instance.parallel
+        per_rank = -(-(t1 - t0) // max(1, par.tp * par.cp))
+        return int(par.ep * per_rank * self.instance.model.top_k)
+
+    def predict_s(self, block: Block, num_parts: int, num_layers: int | None = None) -> float:
+        """Predicted seconds of scoring ``block`` on ``num_parts`` parts over ``num_layers`` layers
+        (default: all of its stage), every EP group straddling (an upper estimate)."""
+        if num_parts <= 1:
+            return 0.0
+        layers = len(block.moe_layers) if num_layers is None else num_layers
+        one = _SCORE_BASE_S + _SCORE_S_PER_PAIR * self.pairs_per_group() * (num_parts - 1) ** 1.3
+        return float(block.ep_groups.shape[0] * layers * one)
 
     # ---- data ---------------------------------------------------------------------------
     def tokens(self, block: Block, group: int, layer: int) -> _Tokens:
@@ -743,13 +853,18 @@ class BlockScorer:
 
     # ---- scoring ------------------------------------------------------------------------
     def score(
-        self, block: Block, atom2part: np.ndarray, *, layers: Sequence[int] | None = None, max_swaps: int = MAX_SWAPS
+        self,
+        block: Block,
+        atom2part: np.ndarray,
+        *,
+        layers: Sequence[int] | None = None,
+        max_swaps: int = MAX_SWAPS,
     ) -> tuple[ShapeScore, list]:
         """Score ``block`` with its atoms on parts ``atom2part`` (n_atoms,).
 
         ``layers``: only these MoE layers of the block's stage (default: all of them).  Returns the
         score and, per layer, per EP group, the :class:`PartPlacement` (``None`` for a group inside
-        one part).
+        one part).  Every expert placement done adds its predicted seconds to :attr:`work_s`.
         """
         layer_ids = block.moe_layers if layers is None else np.asarray(layers, dtype=np.int64)
         key = (block.index, tuple(int(x) for x in atom2part), tuple(int(x) for x in layer_ids), max_swaps)
@@ -771,8 +886,10 @@ class BlockScorer:
                     lay.append(None)
                     continue
                 local = np.searchsorted(used, part_of_ep)
+                tok = self.tokens(block, g, int(layer))
+                self.work_s += _SCORE_BASE_S + _SCORE_S_PER_PAIR * tok.n * tok.topk.shape[1] * (len(used) - 1) ** 1.3
                 pl = place_on_parts(
-                    self.tokens(block, g, int(layer)),
+                    tok,
                     local,
                     len(used),
                     experts_per_rank=self.experts_per_rank,
@@ -950,13 +1067,24 @@ class FootprintModel:
             z = max(z, float(self.time[b][k]))
         return tot, z
 
-    def solve(self, objective: str, *, time_limit_s: float) -> tuple[str, list[dict[int, int]] | None, float | None, float | None]:
+    @property
+    def nnz(self) -> int:
+        """Nonzeros of the constraint matrix (what :func:`_milp_predict_s` sizes a solve by)."""
+        return int(sum(len(r) for r in self._rows))
+
+    def solve(
+        self, objective: str, *, time_limit_s: float, node_limit: int | None = None
+    ) -> tuple[str, list[dict[int, int]] | None, float | None, float | None]:
         """Minimise ``objective`` (``total`` or ``bottleneck``), the other one as a tie-breaker.
 
         The tie-breaker enters with a weight small enough not to trade against the first objective
         (a second solve with the first objective as a constraint, or an objective cutoff from the
         warm start, slows HiGHS down by an order of magnitude on this model; the warm start is the
-        fallback instead).  Returns (status, per-block ``{domain: GPUs}``, total, bottleneck).
+        fallback instead).  ``node_limit`` bounds the branch and bound deterministically;
+        ``time_limit_s`` is the wall-clock safety net (HiGHS measures it on the clock).  Returns
+        (status, per-block ``{domain: GPUs}``, total, bottleneck); :attr:`stopped_by` says what
+        ended a solve short of a proof: ``"nodes"`` (deterministic), ``"time"`` (the clock) or
+        ``None``.
         """
         from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -975,14 +1103,22 @@ class FootprintModel:
         integrality[self.z] = 0
         ub = np.ones(self.n)
         ub[self.z] = np.inf
+        lb = np.zeros(self.n)
+        # the slowest block is at least the slowest block's fastest shape (tightens the LP bound)
+        lb[self.z] = max((float(t.min()) for t in self.time if t.size), default=0.0)
         res = milp(
             obj,
             constraints=LinearConstraint(A, self._lo, self._hi),
             integrality=integrality,
-            bounds=Bounds(np.zeros(self.n), ub),
-            options={"time_limit": max(0.1, time_limit_s), "presolve": True},
+            bounds=Bounds(lb, ub),
+            options={"time_limit": max(0.05, time_limit_s), "presolve": True,
+                     **({"node_limit": int(node_limit)} if node_limit is not None else {})},
         )
         status = {0: "OPTIMAL", 1: "LIMIT", 2: "INFEASIBLE", 3: "UNBOUNDED", 4: "ERROR"}.get(res.status, "ERROR")
+        self.stopped_by: str | None = None
+        if res.status == 1:
+            nodes = getattr(res, "mip_node_count", None)
+            self.stopped_by = "nodes" if node_limit is not None and nodes is not None and nodes >= node_limit else "time"
         if res.x is None:
             return status, None, None, None
         feet: list[dict[int, int]] = [dict() for _ in self.sizes]
@@ -1130,8 +1266,9 @@ def estimate_layout(instance: Instance, rank2gpu: np.ndarray, *, group_preservin
                     scorer: BlockScorer | None = None) -> dict:
     """The estimator's view of a complete layout (with its own expert placement).
 
-    Returns ``{"total_bytes", "slowest_stage_s", "stage_bytes", "stage_time_s", "phy2log"}``:
-    bytes and seconds per optimizer step; ``phy2log`` (num_moe_layers, E) is the expert map scored.
+    Returns ``{"total_bytes", "slowest_stage_s", "stage_bytes", "stage_time_s", "phy2log",
+    "block_scores"}``: bytes and seconds per optimizer step; ``phy2log`` (num_moe_layers, E) is the
+    expert map scored; ``block_scores`` one :class:`ShapeScore` per block of :func:`layout_blocks`.
     """
     rank2gpu = np.asarray(rank2gpu, dtype=np.int64)
     blocks = layout_blocks(instance)
@@ -1141,12 +1278,16 @@ def estimate_layout(instance: Instance, rank2gpu: np.ndarray, *, group_preservin
 
 
 def _summarise(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.ndarray], scorer: BlockScorer) -> dict:
+    """The estimate of a complete layout given as (n_atoms,) atom -> part per block (see
+    :func:`estimate_layout`); ``block_scores`` adds each block's :class:`ShapeScore`."""
     pp = instance.parallel.pp
     stage_bytes = [0.0] * pp
     stage_time = [0.0] * pp
     chosen: dict[int, tuple[float, int, list]] = {}  # stage -> (weight, block, placements)
+    block_scores: list[ShapeScore] = []
     for block, a2p in zip(blocks, a2ps):
         sc, placements = scorer.score(block, a2p)
+        block_scores.append(sc)
         stage_bytes[block.stage] += sc.total_bytes
         stage_time[block.stage] = max(stage_time[block.stage], sc.time_s)
         if block.stage not in chosen or sc.total_bytes > chosen[block.stage][0]:
@@ -1158,6 +1299,7 @@ def _summarise(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.nd
         "stage_bytes": [float(x) for x in stage_bytes],
         "stage_time_s": [float(x) for x in stage_time],
         "phy2log": phy2log,
+        "block_scores": block_scores,
     }
 
 
@@ -1234,8 +1376,9 @@ def _atom_costs(scorer: BlockScorer, block: Block, placements: list, P: int) -> 
 
 
 def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Block, a2p: np.ndarray,
-                   deadline: float, stop: Callable[[], bool] = lambda: False) -> tuple[np.ndarray, dict]:
-    """Alternate replicas -> parts (assignment) and experts -> parts until neither improves."""
+                   stop: Callable[[], bool] = lambda: False) -> tuple[np.ndarray, dict]:
+    """Alternate replicas -> parts (assignment) and experts -> parts until neither improves (at most
+    :data:`MAX_SOURCE_ROUNDS` rounds, fewer once ``stop()`` turns true)."""
     info: dict[str, float | int | bool | None] = {"rounds": 0, "fit_before": None, "fit_after": None, "val_before": None, "val_after": None, "kept": False}
     if block.ep_groups.shape[0] != 1 or a2p.max() == 0:
         return a2p, info
@@ -1246,7 +1389,7 @@ def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Bloc
     info["fit_before"] = best_fit
     cur, cur_pl = a2p.copy(), placements
     for rnd in range(MAX_SOURCE_ROUNDS):
-        if time.monotonic() > deadline or stop():
+        if stop():
             break
         cost = _atom_costs(scorer_fit, block, cur_pl, P)
         new = cur.copy()
@@ -1315,12 +1458,33 @@ def _merge_bounds(shape: tuple[int, ...], known: dict[tuple[int, ...], tuple[flo
     return best
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """A complete layout scored by the estimator: its name, (world,) rank2gpu and estimate."""
+
+    name: str
+    rank2gpu: np.ndarray
+    estimate: dict
+
+
+def _rank_key(est: dict, objective: str) -> tuple[float, float]:
+    """Bytes then time for ``total``, time then bytes for ``bottleneck``."""
+    if objective == "total":
+        return (est["total_bytes"], est["slowest_stage_s"])
+    return (est["slowest_stage_s"], est["total_bytes"])
+
+
+def _public(est: dict) -> dict:
+    """The JSON-serialisable part of an estimate (no expert map, no per-block scores)."""
+    return {k: est[k] for k in ("total_bytes", "slowest_stage_s", "stage_bytes", "stage_time_s")}
+
+
 def plan_layout(
     instance: Instance,
     options: SolveOptions,
     *,
     deadline: float,
-    expert_cost: Callable[[Instance, np.ndarray], float] | None = None,
+    work_s: float | None = None,
 ) -> LayoutPlan:
     """Map the job's ranks onto the available GPUs (see the module docstring for the method).
 
@@ -1328,12 +1492,13 @@ def plan_layout(
     ----------
     instance : the problem (solver view).
     options : ``consumer`` (``deepep``/``hybridep``: equal consecutive slices per domain),
-        ``objective`` (``total`` or ``bottleneck``), ``seed``, ``num_workers``, and
-        ``group_preserving`` (whether the expert maps scored must keep expert groups whole).
-    deadline : ``time.monotonic()`` instant by which to return.
-    expert_cost : optional ``(instance, rank2gpu) -> bytes per step`` from the expert placer; when
-        given, the final choice between the planned and the default layout is made with it (on the
-        ``total`` objective) instead of this module's estimate.
+        ``objective`` (``total`` or ``bottleneck``), ``time_limit_s`` (the work budget, see
+        ``work_s``), and ``group_preserving`` (whether the expert maps scored must keep expert
+        groups whole); ``stop_event`` is polled.
+    deadline : ``time.monotonic()`` instant by which to return (the safety net).
+    work_s : the deterministic work budget in predicted seconds (default
+        ``LAYOUT_TIME_SHARE * options.time_limit_s``): what the layout does depends on it, never on
+        the clock, unless the deadline or a stop request cuts a step (``details["wall_clock_cut"]``).
 
     Returns
     -------
@@ -1344,25 +1509,33 @@ def plan_layout(
     InfeasibleError
         Fewer available GPUs than ranks, or a consumer rule that no layout of the free GPUs meets.
     """
+    from placement.checker import deepep_violations
+    from placement.model import Placement
     from solvers.default import default_rank2gpu
 
     t_start = time.monotonic()
-    par, cl = instance.parallel, instance.cluster
+    par, cl, m = instance.parallel, instance.cluster, instance.model
     default_r2g = default_rank2gpu(instance)  # raises InfeasibleError on too few GPUs
     consumer = options.consumer
     equal_only = consumer in ("deepep", "hybridep")
+    objective = options.objective
     gp = options.group_preserving_for(instance)
     blocks = layout_blocks(instance)
     free = _free_per_domain(instance)
     scorer = BlockScorer(instance, group_preserving=gp)
+    budget = _Budget(LAYOUT_TIME_SHARE * options.time_limit_s if work_s is None else work_s, deadline, options)
+    budget.scorers.append(scorer)
+    identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
     details: dict = {
-        "method": "footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain granularity); replicas <-> experts alternation on straddling blocks",
-        "objective": options.objective,
+        "method": "footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain "
+                  "granularity); replicas <-> experts alternation on straddling blocks; default and first-fit "
+                  "layouts as candidates",
+        "objective": objective,
         "consumer": consumer,
         "group_preserving": bool(gp),
         "blocks": len(blocks),
         "free_gpus_per_domain": [int(x) for x in free],
-        "wall_clock_cut": False,
+        "work_budget_s": round(budget.work_s, 6),
     }
     if equal_only:
         for blk in blocks:
@@ -1375,114 +1548,164 @@ def plan_layout(
                         "not consecutive EP ranks, so no layout gives equal consecutive slices per NVLink domain"
                     )
 
-    def remaining() -> float:
-        """Seconds left; none once the caller asked to stop (``options.stop_event``)."""
-        return 0.0 if options.stop_requested() else deadline - time.monotonic()
+    def rule_ok(r2g: np.ndarray) -> bool:
+        return not equal_only or not deepep_violations(instance, Placement(r2g, identity))
 
-    max_free = int(free.max()) if free.size else 0
-    # ---- candidate shapes per block ----------------------------------------------------------
-    units = _units(instance, blocks)
-    default_feet, default_a2p = _block_feet(instance, blocks, default_r2g)
-    # the default layout, scored first: a candidate, the guard at the end, and a yardstick
-    t_default = time.monotonic()
-    est_default = None if equal_only else _summarise(instance, blocks, default_a2p, scorer)
-    t_default = time.monotonic() - t_default
-    # time kept for the final scoring (about what the default's took) and the replicas <-> experts
-    # alternation
-    footprint_deadline = deadline - max(1.0, FINISH_SHARE * remaining(), 2.0 * t_default)
-    plan = None
-    for unit in units:
-        shapes: list[list[tuple[int, ...]]] = []
-        for blk in blocks:
-            unit_b = unit if blk.size % unit == 0 else blk.atom_size
-            max_parts = int(np.count_nonzero(free >= unit_b))
-            cand: list[tuple[int, ...]] = []
-            mp = max_parts
-            while True:
-                cand = shape_candidates(blk.size, unit_b, min(max_free, blk.size), mp, equal_only=equal_only,
-                                        limit=MAX_SHAPES_PER_BLOCK)
-                if equal_only or len(cand) <= MAX_SHAPES_PER_BLOCK or mp <= 2:
-                    break
-                mp -= 1
-            if equal_only:
-                cand = [c for c in cand if all(v % blk.atom_size == 0 for v in c)]
-            shapes.append(cand)
-        warm = _first_fit(blocks, free, unit) if not equal_only else None
-        extra_feet = [f for f in (warm, None if equal_only else default_feet) if f is not None]
-        for feet in extra_feet:
-            for b, foot in enumerate(feet):
-                sh = tuple(sorted(foot.values(), reverse=True))
-                if sh not in shapes[b]:
-                    shapes[b].append(sh)
-        if any(not s for s in shapes):
-            continue
-        plan = _solve_footprints(instance, blocks, shapes, free, scorer, options, extra_feet, footprint_deadline, details)
+    cands: list[_Candidate] = []
+    plan: list[list[dict[int, int]]] | None = None
+    infeasible_units = 0
+    exact: dict[tuple[int, tuple[int, ...]], tuple[ShapeScore, np.ndarray]] = {}  # (block, shape) -> exact
+    est_default: dict | None = None
+    default_ok = rule_ok(default_r2g)
+
+    def add(name: str, r2g: np.ndarray, feet: Sequence[dict[int, int]], a2ps: Sequence[np.ndarray]) -> dict:
+        """Score a complete layout, keep it as a candidate, and its blocks' scores as exact entries."""
+        est = _summarise(instance, blocks, a2ps, scorer)
+        cands.append(_Candidate(name, np.asarray(r2g, dtype=np.int64), est))
+        for b, (foot, a2p) in enumerate(zip(feet, a2ps)):
+            if len(foot) > 1:
+                _offer_exact(exact, (b, tuple(sorted(foot.values(), reverse=True))), est["block_scores"][b], a2p,
+                             objective)
+        return est
+
+    try:
+        # ---- the default layout, scored first (whatever the budget): a candidate and a hint
+        hints: list[list[dict[int, int]]] = []
+        default_feet, default_a2p = _block_feet(instance, blocks, default_r2g)
+        if default_ok:
+            est_default = add("default", default_r2g, default_feet, default_a2p)
+            hints.insert(0, default_feet)
+        # ---- candidate shapes per block, the first-fit layout, the footprint MILP ----------------
+        max_free = int(free.max()) if free.size else 0
+        # kept for the finish: the replicas <-> experts alternation
+        finish_s = 0.0
+        reserve_s = finish_s + FINISH_SHARE * budget.work_s
+        for unit in _units(instance, blocks):
+            shapes: list[list[tuple[int, ...]]] = []
+            for blk in blocks:
+                unit_b = unit if blk.size % unit == 0 else blk.atom_size
+                max_parts = int(np.count_nonzero(free >= unit_b))
+                cand: list[tuple[int, ...]] = []
+                mp = max_parts
+                while True:
+                    cand = shape_candidates(blk.size, unit_b, min(max_free, blk.size), mp, equal_only=equal_only,
+                                            limit=MAX_SHAPES_PER_BLOCK)
+                    if equal_only or len(cand) <= MAX_SHAPES_PER_BLOCK or mp <= 2:
+                        break
+                    mp -= 1
+                if equal_only:
+                    cand = [c for c in cand if all(v % blk.atom_size == 0 for v in c)]
+                shapes.append(cand)
+            unit_hints = list(hints)
+            first = _first_fit(blocks, free, unit) if not equal_only else None
+            if first is not None:
+                unit_hints.insert(0, first)
+                if not any(c.name == "first_fit" for c in cands):
+                    a2ps = [scorer.slices(blk, tuple(sorted(f.values(), reverse=True))) for blk, f in zip(blocks, first)]
+                    predicted = sum(scorer.predict_s(blk, len(f)) for blk, f in zip(blocks, first))
+                    if budget.affords(predicted + reserve_s):
+                        add("first_fit", _assign_gpus(instance, blocks, first, a2ps)[0], first, a2ps)
+            for feet in unit_hints:
+                for b, foot in enumerate(feet):
+                    sh = tuple(sorted(foot.values(), reverse=True))
+                    if sh not in shapes[b]:
+                        shapes[b].append(sh)
+            if any(not s for s in shapes):
+                infeasible_units += 1
+                continue
+            found, status = _solve_footprints(instance, blocks, shapes, free, scorer, options, unit_hints, budget,
+                                              details, exact=exact, reserve_s=reserve_s,
+                                              finish_s=finish_s)
+            details["footprint_status"] = status
+            if found is not None:
+                plan = found
+                details["part_unit_gpus"] = unit
+                break
+            if status != "INFEASIBLE":
+                break
+            infeasible_units += 1
         if plan is not None:
-            details["part_unit_gpus"] = unit
-            break
-    if plan is None:
-        if equal_only:
+            picks = []
+            for name, feet in zip(("optimized", "optimized, best scored pick"), plan):
+                a2ps = []
+                for b, (blk, foot) in enumerate(zip(blocks, feet)):
+                    sh = tuple(sorted(foot.values(), reverse=True))
+                    a2ps.append(exact[b, sh][1] if (b, sh) in exact else scorer.slices(blk, sh))
+                add(name, _assign_gpus(instance, blocks, feet, a2ps)[0], feet, a2ps)
+                picks.append((cands[-1], feet, a2ps))
+            # the better of them goes on to the replica alternation
+            _, feet, a2ps = min(picks, key=lambda p: _rank_key(p[0].estimate, objective))
+            # ---- data-parallel sources on straddling blocks ------------------------------------------
+            straddling = [b for b in range(len(blocks)) if len(feet[b]) > 1]
+            src_info: dict[str, dict] = {}
+            if not equal_only and straddling:
+                fit = BlockScorer(instance, group_preserving=gp, tokens="fit")
+                val = BlockScorer(instance, group_preserving=gp, tokens="val")
+                budget.scorers += [fit, val]
+                moved = list(a2ps)
+                for b in straddling:
+                    if budget.stopped():
+                        break
+                    P = len(feet[b])
+                    # up to MAX_SOURCE_ROUNDS + 1 scorings on the fit tokens, two on the
+                    # validation ones, one on all of them
+                    predicted = ((MAX_SOURCE_ROUNDS + 1) * fit.predict_s(blocks[b], P)
+                                 + 2 * val.predict_s(blocks[b], P) + scorer.predict_s(blocks[b], P))
+                    if not budget.affords(predicted):
+                        src_info[str(b)] = {"skipped": "work budget"}
+                        continue
+                    moved[b], info = _place_sources(fit, val, blocks[b], a2ps[b], stop=budget.stopped)
+                    src_info[str(b)] = info
+                if any(not np.array_equal(x, y) for x, y in zip(moved, a2ps)):
+                    add("optimized, replicas moved", _assign_gpus(instance, blocks, feet, moved)[0], feet, moved)
+            details["source_placement"] = src_info
+    except _Stopped:
+        pass
+    if not cands and not default_ok:
+        if equal_only and infeasible_units and not budget.cut:
             raise InfeasibleError(_deepep_reason(consumer, blocks, free, par.world_size, cl.num_domains))
         raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
-    feet, status = plan
-    details["footprint_status"] = status
-    # ---- the plan scored exactly, then data-parallel sources on straddling blocks ---------------
-    a2ps = []
-    for blk, foot in zip(blocks, feet):
-        shape = tuple(sorted(foot.values(), reverse=True))
-        a2ps.append(scorer.slices(blk, shape))
-    t_exact = time.monotonic()
-    est_plan = _summarise(instance, blocks, a2ps, scorer)
-    straddling = [b for b in range(len(blocks)) if len(feet[b]) > 1]
-    per_block_s = (time.monotonic() - t_exact) / max(1, len(straddling))
-    src_info = {}
-    if not equal_only and straddling:
-        fit = BlockScorer(instance, group_preserving=gp, tokens="fit")
-        val = BlockScorer(instance, group_preserving=gp, tokens="val")
-        moved = False
-        for b in straddling:
-            # a round scores the block on the fit tokens and, at the end, twice on the validation ones
-            if remaining() > 3.0 * per_block_s + 0.5:
-                a2ps[b], info = _place_sources(fit, val, blocks[b], a2ps[b], deadline, options.stop_requested)
-                src_info[str(b)] = info
-                moved = moved or bool(info["kept"])
-            else:
-                details["wall_clock_cut"] = True
-                src_info[str(b)] = {"skipped": "no time left"}
-        if moved:
-            est_plan = _summarise(instance, blocks, a2ps, scorer)
-    details["source_placement"] = src_info
-    rank2gpu, split_atoms = _assign_gpus(instance, blocks, feet, a2ps)
-    details["tp_cp_groups_split_across_trays"] = split_atoms
-    # ---- never worse than the default -----------------------------------------------------------
-    chosen = "optimized"
-    if est_default is not None:
-        details["default_estimate"] = {k: v for k, v in est_default.items() if k != "phy2log"}
-        key = "total_bytes" if options.objective == "total" else "slowest_stage_s"
-        plan_val, def_val = est_plan[key], est_default[key]
-        if expert_cost is not None and options.objective == "total":
-            plan_val, def_val = expert_cost(instance, rank2gpu), expert_cost(instance, default_r2g)
-            details["expert_cost_check"] = {"plan_bytes": plan_val, "default_bytes": def_val}
-        if def_val < plan_val:
-            details["rejected_estimate"] = {k: v for k, v in est_plan.items() if k != "phy2log"}
-            details["rejected_stage_footprints"] = stage_footprints(instance, rank2gpu)
-            chosen = "default"
-            rank2gpu = default_r2g.copy()
-            est_plan = est_default
-    if equal_only:
-        from placement.checker import deepep_violations
-        from placement.model import Placement
 
-        bad = deepep_violations(instance, Placement(rank2gpu, est_plan["phy2log"]))
+    # ---- the choice: best on the objective ---------------------------------------------------------
+    def rank(c: _Candidate) -> tuple:
+        return _rank_key(c.estimate, objective) + (-cands.index(c),)  # on a tie, the later (more refined)
+
+    details["candidates"] = {c.name: {"total_bytes": c.estimate["total_bytes"],
+                                      "slowest_stage_s": c.estimate["slowest_stage_s"]} for c in cands}
+    order = sorted(cands, key=rank)
+    chosen: _Candidate
+    if order:
+        chosen = order[0]
+    elif default_ok:  # stopped before anything was scored
+        chosen = _Candidate("default, contiguous experts", default_r2g, {})
+    else:
+        raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
+    rank2gpu, est = chosen.rank2gpu.copy(), chosen.estimate
+    phy2log = est.get("phy2log", identity)
+    if equal_only:
+        bad = deepep_violations(instance, Placement(rank2gpu, phy2log))
         if bad:
             raise SolverError(f"rank layout broke the {consumer} rule: {bad[0]}")
-    details["chosen"] = chosen
-    details["estimate"] = {k: v for k, v in est_plan.items() if k != "phy2log"}
-    details["estimated_total_bytes"] = est_plan["total_bytes"]
-    details["estimated_slowest_stage_s"] = est_plan["slowest_stage_s"]
+    if est_default is not None:
+        details["default_estimate"] = _public(est_default)
+    details["chosen"] = chosen.name
+    details["estimate"] = _public(est) if est else None
+    details["estimated_total_bytes"] = est.get("total_bytes")
+    details["estimated_slowest_stage_s"] = est.get("slowest_stage_s")
     details["stage_footprints"] = stage_footprints(instance, rank2gpu)
-    details["wall_s"] = time.monotonic() - t_start
-    return LayoutPlan(rank2gpu=rank2gpu, details=details, phy2log=est_plan["phy2log"])
+    details["tp_cp_groups_split_across_trays"] = _split_atoms(instance, blocks, rank2gpu)
+    details["work_spent_s"] = round(budget.spent_s(), 6)
+    details["work_budget_exhausted"] = bool(budget.exhausted)
+    details["wall_clock_cut"] = bool(budget.cut)
+    log.info("rank layout: %s chosen in %.2f s wall (%.2f of %.2f predicted seconds of work%s)", chosen.name,
+             time.monotonic() - t_start, budget.spent_s(), budget.work_s, ", cut by the clock" if budget.cut else "")
+    return LayoutPlan(rank2gpu=rank2gpu, details=details, phy2log=phy2log)
+
+
+def _split_atoms(instance: Instance, blocks: Sequence[Block], rank2gpu: np.ndarray) -> int:
+    """TP x CP groups whose ranks sit on more than one tray."""
+    host = instance.cluster.gpu2host[np.asarray(rank2gpu, dtype=np.int64)]
+    return int(sum(len(set(host[atom].tolist())) > 1 for blk in blocks for atom in blk.atoms))
 
 
 def _deepep_reason(consumer: str, blocks: Sequence[Block], free: np.ndarray, world: int, num_domains: int) -> str:
@@ -1507,6 +1730,25 @@ def _deepep_reason(consumer: str, blocks: Sequence[Block], free: np.ndarray, wor
     return msg + f"; free GPUs per domain {free.tolist()}, the job needs {world}"
 
 
+def _milp_predict_s(nnz: int, objective: str) -> float:
+    """Predicted seconds of one footprint MILP with ``nnz`` nonzeros (see :data:`_MILP_S_PER_NNZ_1_5`)."""
+    factor = _MILP_BOTTLENECK_FACTOR if objective == "bottleneck" else 1.0
+    return factor * (_MILP_BASE_S + _MILP_S_PER_NNZ_1_5 * float(nnz) ** 1.5)
+
+
+def _offer_exact(exact: dict, key: tuple[int, tuple[int, ...]], score: ShapeScore, a2p: np.ndarray,
+                 objective: str) -> None:
+    """Keep the better realisation of (block, shape) in ``exact``, by the objective (bytes then time
+    for ``total``, time then bytes for ``bottleneck``)."""
+
+    def rank(sc: ShapeScore) -> tuple:
+        return (sc.total_bytes, sc.time_s) if objective == "total" else (sc.time_s, sc.total_bytes)
+
+    old = exact.get(key)
+    if old is None or rank(score) < rank(old[0]):
+        exact[key] = (score, np.asarray(a2p, dtype=np.int64).copy())
+
+
 def _solve_footprints(
     instance: Instance,
     blocks: Sequence[Block],
@@ -1515,10 +1757,21 @@ def _solve_footprints(
     scorer: BlockScorer,
     options: SolveOptions,
     hints: list[list[dict[int, int]]],
-    deadline: float,
+    budget: _Budget,
     details: dict,
-) -> tuple[list[dict[int, int]], str] | None:
-    """The lazy pricing loop around :class:`FootprintModel`; ``None`` when no footprint exists.
+    *,
+    exact: dict,
+    reserve_s: float,
+    finish_s: float,
+) -> tuple[list[list[dict[int, int]]] | None, str]:
+    """The lazy pricing loop around :class:`FootprintModel`: ``(footprints or None, status)``.
+
+    The footprints returned are the best complete one on the final prices and, if another, the
+    best one whose straddling blocks are all scored exactly (first when the clock cut in).
+
+    The status is the last MILP's (``OPTIMAL``, ``FEASIBLE``), ``WARM_START`` when the best hint
+    won, ``INFEASIBLE`` when no footprint exists, ``STOPPED`` (deadline or stop request) or
+    ``BUDGET`` (the work budget ended before any footprint was found).
 
     A shape's price is per MoE layer: the mean over up to :data:`PROXY_LAYERS` layers spread over
     the model (each scored on the block of its own stage) of the bytes and of the busiest NIC's
@@ -1526,11 +1779,16 @@ def _solve_footprints(
     block's NVLink floor).  Shapes not priced yet enter with an estimate built from the two-part
     prices (what lands in each part when the rest is one domain, summed over the parts; never
     below the lower bounds of :func:`lower_bound`) and, for time, the worst part's busiest NIC
-    when the rest is one domain (at least the NVLink floor).  Each round
-    prices the shapes the model picked on estimates and solves again, until its pick is priced
-    everywhere or the budget ends.  Shapes whose lower bound exceeds the incumbent's price are
-    left out of the model (total objective).  Blocks of one size and layer count are interchangeable
-    under these prices; the symmetry breaking gives the straddling footprints to the last of them.
+    when the rest is one domain (at least the NVLink floor).  ``exact`` maps (block, shape) to the
+    block's exact score over all its layers and the atom -> part map that realises it; those
+    entries replace the prices.  Each round prices the shapes the model picked on estimates,
+    scores every straddling (block, shape) of the pick exactly, and solves again, until its pick
+    is exact everywhere (then it is optimal for the prices) or the work budget ends.
+
+    Shapes whose price exceeds the incumbent's total are left out.  Blocks of one size and
+    layer count are interchangeable under these prices; the symmetry breaking gives the straddling
+    footprints to the last of them.  ``reserve_s``: predicted seconds kept for the caller; the
+    exact scoring of a pick (which the caller would do anyway) may use all but ``finish_s`` of it.
     """
     B = len(blocks)
     per_layer: dict[tuple[int, tuple[int, ...]], tuple[float, float]] = {}  # (size, shape) -> (bytes, nic s)
@@ -1539,7 +1797,7 @@ def _solve_footprints(
     floors = [[scorer.nvlink_floor_s(b, int(l)) for l in b.moe_layers] for b in blocks]
     floor = [float(sum(f)) for f in floors]
     nlay = [len(b.moe_layers) for b in blocks]
-    cut = False
+    objective = options.objective
 
     samples: dict[int, list[tuple[int, int]]] = {}
     for size in sorted({b.size for b in blocks}):
@@ -1547,17 +1805,20 @@ def _solve_footprints(
         pick = np.unique(np.linspace(0, len(pool) - 1, min(PROXY_LAYERS, len(pool))).round().astype(int))
         samples[size] = [pool[int(i)] for i in pick] if pool else []
 
-    def price_shape(size: int, sh: tuple[int, ...]) -> None:
+    def price_shape(size: int, sh: tuple[int, ...]) -> bool:
+        """Price ``sh`` for blocks of ``size``; False when the budget cannot afford it."""
         if (size, sh) in per_layer:
-            return
+            return True
         if len(sh) == 1 or not samples[size]:
             per_layer[size, sh] = (0.0, 0.0)
             arrivals[size, sh] = (0.0,) * len(sh)
             part_nic[size, sh] = (0.0,) * len(sh)
-            return
+            return True
+        if not budget.affords(sum(scorer.predict_s(blocks[b], len(sh), 1) for b, _ in samples[size]) + reserve_s):
+            return False
         tot, nic, arr, pn = 0.0, 0.0, np.zeros(len(sh)), np.zeros(len(sh))
         for b, layer in samples[size]:
-            sc = scorer.score_shape(blocks[b], sh, layers=[layer])
+            sc = scorer.score(blocks[b], scorer.slices(blocks[b], sh), layers=[layer])[0]
             tot += sc.total_bytes
             nic += sc.layer_nic_s[0]
             arr += np.asarray(sc.part_bytes)
@@ -1566,6 +1827,17 @@ def _solve_footprints(
         per_layer[size, sh] = (tot / n, nic / n)
         arrivals[size, sh] = tuple(float(x) for x in arr / n)
         part_nic[size, sh] = tuple(float(x) for x in pn / n)
+        return True
+
+    def score_exact(b: int, sh: tuple[int, ...]) -> bool:
+        """Score block ``b`` under ``sh`` on all its layers; False when the budget cannot afford it."""
+        if (b, sh) in exact:
+            return True
+        if not budget.affords(scorer.predict_s(blocks[b], len(sh)) + finish_s):
+            return False
+        a2p = scorer.slices(blocks[b], sh)
+        _offer_exact(exact, (b, sh), scorer.score(blocks[b], a2p)[0], a2p, objective)
+        return True
 
     def estimate(size: int, sh: tuple[int, ...]) -> float | None:
         """Bytes per layer of an unpriced shape: the sum over its parts of what lands in a part of
@@ -1607,137 +1879,165 @@ def _solve_footprints(
             split = 0.5 * sum(h[0] for h in halves if h is not None)
         return max(merge, split)
 
-    def tables() -> tuple[list[list[float]], list[list[float]], list[list[bool]], list[list[float]]]:
-        """Per block, per shape: (price in bytes, price in seconds, priced?, lower bound in bytes)."""
-        cost, tim, priced, lbs = [], [], [], []
+    def tables() -> tuple[list[list[float]], list[list[float]]]:
+        """Per block, per shape: (price in bytes, price in seconds)."""
+        cost, tim = [], []
         memos: dict[int, dict] = {}
         for b in range(B):
             size = blocks[b].size
             memo = memos.setdefault(size, {})
-            c_row, t_row, p_row, l_row = [], [], [], []
+            c_row, t_row = [], []
             for sh in shapes[b]:
-                if (size, sh) in per_layer:
+                hit = exact.get((b, sh))
+                if hit is not None:
+                    c_row.append(hit[0].total_bytes)
+                    t_row.append(hit[0].time_s)
+                elif (size, sh) in per_layer:
                     byt, nic = per_layer[size, sh]
                     c_row.append(byt * nlay[b])
-                    l_row.append(byt * nlay[b])
                     t_row.append(float(sum(max(nic, f) for f in floors[b])) if len(sh) > 1 else floor[b])
-                    p_row.append(True)
                 else:
                     est = estimate(size, sh)
                     lb = lower_bound(size, sh, memo)
                     c_row.append(max(lb, est if est is not None else lb) * nlay[b])
-                    l_row.append(lb * nlay[b])
                     nic_est = estimate_nic(size, sh) if len(sh) > 1 else None
                     t_row.append(float(sum(max(nic_est, f) for f in floors[b])) if nic_est is not None else floor[b])
-                    p_row.append(nlay[b] == 0)
             cost.append(c_row)
             tim.append(t_row)
-            priced.append(p_row)
-            lbs.append(l_row)
-        return cost, tim, priced, lbs
+        return cost, tim
 
-    # Round 0: the heuristics' shapes, every shape under a consumer rule (they are few), and the
-    # two-part split (p, n - p) for every part size p that a candidate uses, whether or not the
-    # split fits the domains (a block wider than two domains has no feasible two-part shape, but
-    # what lands in a part of p GPUs when the rest is one domain is what the estimates need)
-    t0 = time.monotonic()
-    todo0: list[tuple[int, tuple[int, ...]]] = []
-    for feet in hints:
-        for b, foot in enumerate(feet):
-            todo0.append((blocks[b].size, tuple(sorted(foot.values(), reverse=True))))
-    for b in range(B):
-        size = blocks[b].size
-        for sh in shapes[b]:
-            if options.consumer != "none":
-                todo0.append((size, sh))
-        for p in sorted({v for sh in shapes[b] for v in sh if v < size}, reverse=True):
-            todo0.append((size, tuple(sorted((p, size - p), reverse=True))))
-    for size, sh in dict.fromkeys(todo0):
-        if time.monotonic() > deadline or options.stop_requested():
-            cut = True
-            break
-        price_shape(size, sh)
-    details["pricing_initial_s"] = round(time.monotonic() - t0, 3)
+    def shape_of(foot: dict[int, int]) -> tuple[int, ...]:
+        return tuple(sorted(foot.values(), reverse=True))
 
-    objective = options.objective
-    key = (lambda tb: tb) if objective == "total" else (lambda tb: (tb[1], tb[0]))
-    best_feet, status, rounds, lazily = None, "UNKNOWN", 0, 0
-    round_s: list[float] = []
+    def key(tb: tuple[float, float]) -> tuple[float, float]:
+        return tb if objective == "total" else (tb[1], tb[0])
+
+    class _View:
+        """The model's prices now, and what follows from them for complete footprints."""
+
+        def __init__(self) -> None:
+            self.cost, self.tim = tables()
+
+        def value(self, feet: list[dict[int, int]]) -> tuple[float, float]:
+            ks = [shapes[b].index(shape_of(f)) for b, f in enumerate(feet)]
+            return sum(self.cost[b][k] for b, k in enumerate(ks)), max(self.tim[b][k] for b, k in enumerate(ks))
+
+        def best(self, cands: Sequence[tuple[list[dict[int, int]], str]]) -> tuple[list[dict[int, int]], str] | None:
+            """The best candidate (first on ties), ``None`` if there is none."""
+            return min(cands, key=lambda c: key(self.value(c[0]))) if cands else None
+
+    # every complete footprint seen: the hints, then each round's pick (with its MILP status)
+    seen: list[tuple[list[dict[int, int]], str]] = [(list(f), "WARM_START") for f in hints]
+    status, rounds, lazily, milp_limited = "UNKNOWN", 0, 0, None
     shapes_kept: list[int] = []
-    while True:
-        rounds += 1
-        cost, tim, priced, lbs = tables()
-        # warm start: the best complete candidate so far (the heuristics, then the last pick); HiGHS
-        # as scipy exposes it takes no starting solution, so it is the fallback, the yardstick and
-        # (total objective) the cutoff that prunes shapes whose lower bound alone exceeds it
-        cands = list(hints) + ([best_feet] if best_feet is not None else [])
-
-        def value(feet: list[dict[int, int]]) -> tuple[float, float]:
-            ks = [shapes[b].index(tuple(sorted(f.values(), reverse=True))) for b, f in enumerate(feet)]
-            return sum(cost[b][k] for b, k in enumerate(ks)), max(tim[b][k] for b, k in enumerate(ks))
-
-        warm = min(cands, key=lambda f: key(value(f))) if cands else None
-        if warm is not None and options.stop_requested():  # the caller wants an answer now
-            cut = True
-            best_feet, status = warm, "WARM_START"
-            break
-        keep = [list(range(len(shapes[b]))) for b in range(B)]
-        if warm is not None and objective == "total":
-            limit = value(warm)[0] * (1 + 1e-9) + 1.0
-            # prune on the price: a shape priced or estimated above the whole incumbent cannot be
-            # part of a better footprint (estimates miss only what parts cost each other, so they
-            # err low)
-            keep = [[k for k in range(len(shapes[b])) if cost[b][k] <= limit] for b in range(B)]
-        model = FootprintModel(
-            [b.size for b in blocks],
-            [[shapes[b][k] for k in keep[b]] for b in range(B)],
-            free,
-            [[cost[b][k] / _BYTES_PER_UNIT for k in keep[b]] for b in range(B)],
-            [[tim[b][k] / _SECONDS_PER_UNIT for k in keep[b]] for b in range(B)],
-        )
-        budget = max(0.5, min(remaining_s(deadline) * 0.3, _MAX_ROUND_S))
-        t_round = time.monotonic()
-        st, picked, _, _ = model.solve(objective, time_limit_s=budget)
-        round_s.append(round(time.monotonic() - t_round, 3))
-        shapes_kept.append(int(sum(len(k) for k in keep)))
-        log.info("footprint round %d: %s in %.2f s (%d shapes)", rounds, st, round_s[-1], shapes_kept[-1])
-        if picked is None and st == "INFEASIBLE" and warm is None:
-            return None
-        if st != "OPTIMAL" and st != "INFEASIBLE":
-            cut = True  # HiGHS stopped by its time limit: the pick may depend on the machine's speed
-        if picked is None or (warm is not None and key(value(warm)) < key(value(picked))):
-            if warm is None:
-                cut = True
+    t0 = time.monotonic()
+    try:
+        # Round 0: the hints' shapes, every shape under a consumer rule (they are few), and the
+        # two-part split (p, n - p) for every part size p that a candidate uses, whether or not the
+        # split fits the domains (a block wider than two domains has no feasible two-part shape, but
+        # what lands in a part of p GPUs when the rest is one domain is what the estimates need)
+        todo0: list[tuple[int, tuple[int, ...]]] = []
+        for feet in hints:
+            for b, foot in enumerate(feet):
+                todo0.append((blocks[b].size, shape_of(foot)))
+        for b in range(B):
+            size = blocks[b].size
+            for sh in shapes[b]:
+                if options.consumer != "none":
+                    todo0.append((size, sh))
+            for p in sorted({v for sh in shapes[b] for v in sh if v < size}, reverse=True):
+                todo0.append((size, tuple(sorted((p, size - p), reverse=True))))
+        for size, sh in dict.fromkeys(todo0):
+            budget.check()
+            if not price_shape(size, sh):
                 break
-            picked, st = warm, "WARM_START"
-        feet = picked
-        status, best_feet = st, feet
-        todo = []
-        for b, f in enumerate(feet):
-            sh = tuple(sorted(f.values(), reverse=True))
-            if not priced[b][shapes[b].index(sh)]:
-                todo.append((blocks[b].size, sh))
-        if not todo:
-            break
-        if time.monotonic() > deadline or options.stop_requested():
-            cut = True
-            break
-        for size, sh in dict.fromkeys(todo):
-            price_shape(size, sh)
-            lazily += 1
-    if best_feet is None:
-        return None
-    if cut:
-        details["wall_clock_cut"] = True
+        log.info("footprints: %d shapes priced up front in %.2f s", len(per_layer), time.monotonic() - t0)
+
+        while True:
+            rounds += 1
+            view = _View()
+            # warm start: the best complete footprint so far; HiGHS as scipy exposes
+            # it takes no starting solution, so it is the fallback, the yardstick and the cutoff
+            # that prunes shapes which alone price it out
+            warm = view.best(seen)
+            keep = [list(range(len(shapes[b]))) for b in range(B)]
+            if warm is not None:
+                wb, wt = view.value(warm[0])
+                if objective == "total":
+                    # a shape priced above the whole incumbent cannot be part of a better footprint
+                    # (estimates miss only what parts cost each other, so they err low)
+                    keep = [[k for k in keep[b] if view.cost[b][k] <= wb * (1 + 1e-9) + 1.0] for b in range(B)]
+                else:  # a block slower than the incumbent's slowest makes the whole footprint slower
+                    keep = [[k for k in keep[b] if view.tim[b][k] <= wt * (1 + 1e-9) + 1e-12] for b in range(B)]
+            if any(not kb for kb in keep):
+                status = "INFEASIBLE" if warm is None else status
+                break
+            model = FootprintModel(
+                [b.size for b in blocks],
+                [[shapes[b][k] for k in keep[b]] for b in range(B)],
+                free,
+                [[view.cost[b][k] / _BYTES_PER_UNIT for k in keep[b]] for b in range(B)],
+                [[view.tim[b][k] / _SECONDS_PER_UNIT for k in keep[b]] for b in range(B)],
+            )
+            predicted = _milp_predict_s(model.nnz, objective)
+            # with nothing in hand (a consumer rule the peers' layouts break) one solve is a must
+            if not budget.affords(predicted + reserve_s) and warm is not None:
+                break
+            budget.check()
+            budget.charge(predicted)
+            t_round = time.monotonic()
+            st, picked, _, _ = model.solve(objective, time_limit_s=max(0.5, budget.wall_left_s()),
+                                           node_limit=_MILP_NODE_LIMIT)
+            shapes_kept.append(int(sum(len(k) for k in keep)))
+            log.info("footprint round %d: %s in %.2f s (%d shapes, %d nonzeros, %.2f s predicted)", rounds, st,
+                     time.monotonic() - t_round, shapes_kept[-1], model.nnz, predicted)
+            if model.stopped_by == "time":
+                budget.cut = True  # HiGHS stopped by the clock: the pick may depend on the machine's speed
+            elif model.stopped_by == "nodes":
+                milp_limited = "nodes"
+            if picked is None:
+                status = st if warm is None else status
+                break
+            seen.append((picked, st))
+            todo_exact = [(b, shape_of(f)) for b, f in enumerate(picked) if len(f) > 1 and (b, shape_of(f)) not in exact]
+            if not todo_exact:
+                break  # every straddling block of the pick is scored exactly: optimal for these prices
+            if budget.cut:
+                break
+            # the pick's shapes priced for every block of their size, and its blocks scored exactly
+            todo_price = list(dict.fromkeys((blocks[b].size, sh) for b, sh in todo_exact
+                                            if (blocks[b].size, sh) not in per_layer))
+            afforded = True
+            for b, sh in todo_exact:  # first: it makes the pick a complete, exact candidate
+                budget.check()
+                afforded = afforded and score_exact(b, sh)
+            for size, sh in todo_price:
+                budget.check()
+                afforded = afforded and price_shape(size, sh)
+                lazily += int(afforded)
+            if not afforded:
+                break
+    except _Stopped:  # the caller keeps its complete candidates; the picks so far are more
+        status = "STOPPED"
+    # the best footprint seen, on the final prices (exact wherever a pick was scored)
+    view = _View()
+
+    def exact_everywhere(feet: list[dict[int, int]]) -> bool:
+        return all(len(f) == 1 or (b, shape_of(f)) in exact for b, f in enumerate(feet))
+
+    # the best on the model's prices (the caller scores it exactly), and the best already scored
+    # exactly everywhere (all the caller can afford when the clock has cut in: first then)
+    finals = [c for c in (view.best(seen), view.best([c for c in seen if exact_everywhere(c[0])])) if c is not None]
+    if budget.cut:
+        finals.reverse()
+    finals = [c for i, c in enumerate(finals) if all(c[0] != d[0] for d in finals[:i])]
     details["footprint_rounds"] = rounds
-    details["footprint_round_s"] = round_s
     details["footprint_round_shapes"] = shapes_kept
+    details["footprint_milp_limit"] = milp_limited
     details["shapes_per_block"] = [len(s) for s in shapes]
     details["shapes_priced"] = len(per_layer)
     details["shapes_priced_lazily"] = lazily
-    return best_feet, status
-
-
-def remaining_s(deadline: float) -> float:
-    """Seconds left until ``deadline`` (a ``time.monotonic()`` instant), never negative."""
-    return max(0.0, deadline - time.monotonic())
+    details["blocks_scored_exactly"] = len(exact)
+    if not finals:
+        return None, ("BUDGET" if status == "UNKNOWN" else status)
+    return [c[0] for c in finals], (finals[0][1] if status not in ("STOPPED", "INFEASIBLE") else status)

@@ -47,12 +47,6 @@ def test_solve_scores_and_saves_without_printing(tiny, tmp_path, capsys):
     assert out.out == "" and out.err == ""
 
 
-# Solvers whose placement file still carries wall-clock values (the placement itself is reproducible).
-WALL_CLOCK_IN_DETAILS = {
-    "cpsat": "solvers/layout.py puts wall_s and footprint_round_s into details['layout']",
-}
-
-
 @pytest.mark.parametrize("solver", sorted(SOLVERS))
 def test_same_seed_same_placement(tiny, solver):
     """Determinism: the same instance, seed and options give the same placement and metrics."""
@@ -62,11 +56,7 @@ def test_same_seed_same_placement(tiny, solver):
     assert results[0].metrics == results[1].metrics
 
 
-@pytest.mark.parametrize(
-    "solver",
-    [pytest.param(s, marks=pytest.mark.xfail(reason=WALL_CLOCK_IN_DETAILS[s], strict=True))
-     if s in WALL_CLOCK_IN_DETAILS else s for s in sorted(SOLVERS)],
-)
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
 def test_same_seed_same_placement_file(tiny, solver):
     """The placement file is deterministic too, byte for byte: no wall-clock values in it."""
     docs = [

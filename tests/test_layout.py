@@ -434,3 +434,51 @@ def test_a_stop_request_returns_a_valid_layout_at_once(tiny):
     assert time.monotonic() - t0 < 5.0
     assert check(tiny, Placement(plan.rank2gpu, plan.phy2log)) == []
     assert plan.details["wall_clock_cut"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism: decisions on a work budget, never on the clock; no wall-clock values in details
+# ---------------------------------------------------------------------------------------------
+def _eight_wide() -> Instance:
+    """Four EP groups of 8 on five domains with 7, 7, 7, 6, 5 free GPUs: every group straddles."""
+    rng = np.random.default_rng(7)
+    inst = random_instance(rng, num_experts=16, top_k=4, ep=8, dp=8, pp=4, num_domains=5, trays_per_domain=4,
+                           gpus_per_tray=2, tokens=24, moe_layers=8)
+    available = np.ones(40, dtype=bool)
+    available[[1, 9, 17, 25, 26, 33, 38, 39]] = False
+    return _with_available(inst, available)
+
+
+def _slowed(monkeypatch, seconds: float) -> None:
+    """Make every expert placement of the layout take ``seconds`` longer (a busy machine)."""
+    from solvers import layout
+
+    real = layout.place_on_parts
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layout, "place_on_parts", slow)
+
+
+def test_a_binding_work_budget_gives_the_same_layout_and_details_on_a_slower_machine(monkeypatch):
+    import json
+
+    inst = _eight_wide()
+    opts = SolveOptions(num_workers=1)
+    fast = plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=0.08)
+    assert fast.details["work_budget_exhausted"] is True and fast.details["wall_clock_cut"] is False
+    _slowed(monkeypatch, 0.003)
+    slow = plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=0.08)
+    assert slow.rank2gpu.tolist() == fast.rank2gpu.tolist() and slow.phy2log.tolist() == fast.phy2log.tolist()
+    # byte for byte: the details hold no wall-clock value
+    assert json.dumps(slow.details, sort_keys=True) == json.dumps(fast.details, sort_keys=True)
+
+
+def test_more_work_budget_never_gives_a_worse_layout():
+    inst = _eight_wide()
+    opts = SolveOptions(num_workers=1)
+    totals = [plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=w).details["estimated_total_bytes"]
+              for w in (0.0, 0.08, 30.0)]
+    assert totals[2] <= totals[1] * (1 + 1e-9) and totals[1] <= totals[0] * (1 + 1e-9)
