@@ -77,7 +77,9 @@ class SolveOptions:
         consecutive slices of each EP group per NVLink domain).
     group_preserving : only group-preserving expert permutations (required for checkpoint
         permutations under group-limited routing); ``None`` = the model's routing decides.
-    objective : ``total`` cross-domain bytes, or the ``bottleneck`` (slowest stage / busiest NIC).
+    objective : ``total`` cross-domain bytes, subject (in the rank layout) to no pipeline stage's
+        all-to-all time exceeding the default layout's slowest stage; or the ``bottleneck``
+        (slowest stage / busiest NIC), total bytes as a tie-breaker.
     layout : ``optimize`` the rank -> GPU map, or keep it ``fixed`` at the default layout (when the
         launcher decides where ranks run, as for SGLang or vLLM serving).
     deadline : ``time.monotonic()`` instant by which the solver returns; derived if not given.

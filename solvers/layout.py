@@ -35,9 +35,15 @@ Step 2, footprints, jointly with the experts at domain granularity.  A block's *
     the next solve; the loop ends when the pick is exact everywhere (then it is optimal for the
     prices) or the work budget ends; shapes priced above the incumbent are left out.
 
-    Objectives.  ``total`` (the default) minimises total cross-domain bytes per step,
-    ``bottleneck`` the slowest stage's all-to-all time (per layer the busier of its busiest NIC and
-    its NVLink floor, summed over the stage), the other one a tie-breaker.
+    Objectives.  ``bottleneck`` minimises the slowest stage's all-to-all time (per layer the busier
+    of its busiest NIC and its NVLink floor, summed over the stage), total bytes as a tie-breaker.
+    ``total`` (the default) minimises total cross-domain bytes per step *subject to no stage being
+    slower than the default layout's slowest stage*: a bytes-optimal footprint may leave a 4-GPU
+    sliver of an EP group in another rack, whose few NICs then carry the stage's whole cross-rack
+    traffic.  The cap is the default layout's slowest stage on this estimator (the default scored
+    with its own expert maps); shapes whose time for a block (exact, priced or estimated) exceeds
+    it are left out of the model, and the default's own (block, shape) entries are within it by
+    construction, so the cap never makes the model infeasible.
 
     Candidates.  Complete layouts are scored exactly on the estimator and compete at the end: the
     ``default`` layout, ``first_fit`` (blocks with most MoE layers first, each into the tightest
@@ -66,12 +72,15 @@ Step 4, concrete GPUs.  Each block's parts get whole free trays of their domain 
     parts.  The result is checked with :func:`placement.checker.deepep_violations` when a consumer
     rule is asked for.
 
-The choice.  Among the candidates, the best on the objective (bytes then time for ``total``, time
-then bytes for ``bottleneck``); ``details["candidates"]`` lists them all.  As the default layout is
-one, the layout returned is never worse than the default on its estimate.  The estimator counts
-bytes exactly for a given expert map (what :mod:`placement.cost` counts; ``tests/test_layout.py``
-checks it against the evaluator); its times are close but not exact (per-block sums of per-layer
-maxima, the NVLink floor of the contiguous map).  Each
+The choice.  Among the candidates within the cap, the best on the objective (bytes then time for
+``total``, time then bytes for ``bottleneck``); ``details["candidates"]`` lists them all.  Then the
+evaluator has the last word on time: the chosen layout with its expert map must have
+``placement.cost.evaluate(...).alltoall_time_s_per_step`` no larger than the default layout's as
+the ``default`` solver gives it (contiguous experts); otherwise the next candidate is checked, and
+the default layout with contiguous experts always passes (``details["evaluator_check"]``).  The
+estimator counts bytes exactly for a given expert map (what :mod:`placement.cost` counts;
+``tests/test_layout.py`` checks it against the evaluator); its times are close but not exact
+(per-block sums of per-layer maxima, the NVLink floor of the contiguous map), hence the check.  Each
 EP group is scored with its own expert map, while the EP groups of one stage share one map (with the
 default order and ``dp == ep``, as on the committed DeepSeek-V3 instances, a stage is one EP group).
 
@@ -82,7 +91,7 @@ straddling block are *alternated* until neither improves (Step 3).
 Determinism and the clock.  The layout's work is sized by a deterministic budget
 (``LAYOUT_TIME_SHARE * options.time_limit_s`` predicted seconds, ``options.time_limit_s`` being the
 solver's work budget, which depends on the instance's size only): every step (pricing a shape,
-scoring a block, a MILP round, the replica alternation) is started only if
+scoring a block, a MILP round, the replica alternation, the evaluator's check) is started only if
 its *predicted* cost fits what is left, predicted from sizes and counts, never from the clock
 (:class:`_Budget`).  HiGHS gets a node limit (deterministic) and solves each round to the end;
 every other step is a pure function of its inputs (swap searches count swaps).  So the same
@@ -105,6 +114,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 
+from placement.cost import Metrics
 from placement.model import InfeasibleError, Instance, SolverError
 from solvers.base import SolveOptions
 
@@ -158,6 +168,9 @@ _MILP_S_PER_NNZ_1_5 = 8e-7
 _MILP_BOTTLENECK_FACTOR = 4.0
 #: Deterministic cap on the branch-and-bound nodes of one footprint MILP (HiGHS ``node_limit``).
 _MILP_NODE_LIMIT = 500
+#: Predicted seconds of one run of :func:`placement.cost.evaluate` per routed expert id of the
+#: sampled window (the API's own scoring estimate, ``placement.api.SCORING_S_PER_EXPERT_ID``).
+_EVAL_S_PER_EXPERT_ID = 1e-7
 #: Weight of the tie-breaking objective relative to the first one (prices in GB and ms).
 _TIE_BREAK = 1e-6
 #: Scale of the MILP's prices: gigabytes and milliseconds.
@@ -175,8 +188,8 @@ class LayoutPlan:
     rank2gpu : (world,) int64, physical GPU of each global rank.
     details : JSON-serialisable, deterministic facts (no wall-clock values): per-stage footprints
         over domains, the estimated total cross-domain bytes per step and slowest-stage all-to-all
-        time of every candidate (``candidates``) and of the chosen one, solver status, the work
-        budget and what it paid for.
+        time of every candidate (``candidates``) and of the chosen one, the stage-time cap, the
+        evaluator's check, solver status, the work budget and what it paid for.
     phy2log : (num_moe_layers, num_experts) int64 expert map the layout was scored with (domain
         level: which experts sit in which domain; inside a domain the order is by expert id).  A
         valid placement together with ``rank2gpu``; the expert placer refines it.
@@ -269,7 +282,8 @@ class _Stopped(Exception):
 class _Budget:
     """The layout's work budget in *predicted* seconds, and the wall-clock safety net.
 
-    Every decision to start a step (price a shape, solve a MILP round, move replicas) is taken on predicted costs alone: functions of the instance's sizes and of counts
+    Every decision to start a step (price a shape, solve a MILP round, move replicas, run the
+    evaluator) is taken on predicted costs alone: functions of the instance's sizes and of counts
     of work done (:meth:`BlockScorer.predict_s`, :func:`_milp_predict_s`), never of the clock, so the
     same instance, options and seed do the same work on a fast or a busy machine.  The deadline and
     stop requests are polled between steps (:meth:`stopped`);
@@ -286,7 +300,7 @@ class _Budget:
         self.work_s = float(work_s)
         self.deadline = float(deadline)
         self.options = options
-        self.charged_s = 0.0  # predicted seconds of MILP solves
+        self.charged_s = 0.0  # predicted seconds of MILP solves and evaluator runs
         self.scorers: list[BlockScorer] = []  # their expert placements count too
         self.cut = False  # the wall clock or a stop request ended a step
         self.exhausted = False  # a step was skipped because the budget could not afford it
@@ -1479,6 +1493,18 @@ def _public(est: dict) -> dict:
     return {k: est[k] for k in ("total_bytes", "slowest_stage_s", "stage_bytes", "stage_time_s")}
 
 
+def _from_metrics(m: Metrics, phy2log: np.ndarray) -> dict:
+    """An estimate dict from the evaluator's metrics (sampled tokens)."""
+    return {
+        "total_bytes": float(m.cross_domain_bytes_per_step),
+        "slowest_stage_s": float(m.alltoall_time_s_per_step),
+        "stage_bytes": [float(x) for x in m.cross_domain_bytes_per_stage],
+        "stage_time_s": [float(x) for x in m.alltoall_time_s_per_stage],
+        "phy2log": phy2log,
+        "block_scores": [],
+    }
+
+
 def plan_layout(
     instance: Instance,
     options: SolveOptions,
@@ -1510,6 +1536,7 @@ def plan_layout(
         Fewer available GPUs than ranks, or a consumer rule that no layout of the free GPUs meets.
     """
     from placement.checker import deepep_violations
+    from placement.cost import evaluate
     from placement.model import Placement
     from solvers.default import default_rank2gpu
 
@@ -1526,6 +1553,7 @@ def plan_layout(
     budget = _Budget(LAYOUT_TIME_SHARE * options.time_limit_s if work_s is None else work_s, deadline, options)
     budget.scorers.append(scorer)
     identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
+    eval_s = _EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
     details: dict = {
         "method": "footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain "
                   "granularity); replicas <-> experts alternation on straddling blocks; default and first-fit "
@@ -1555,21 +1583,25 @@ def plan_layout(
     plan: list[list[dict[int, int]]] | None = None
     infeasible_units = 0
     exact: dict[tuple[int, tuple[int, ...]], tuple[ShapeScore, np.ndarray]] = {}  # (block, shape) -> exact
+    cap_s: float | None = None
     est_default: dict | None = None
     default_ok = rule_ok(default_r2g)
 
     def add(name: str, r2g: np.ndarray, feet: Sequence[dict[int, int]], a2ps: Sequence[np.ndarray]) -> dict:
         """Score a complete layout, keep it as a candidate, and its blocks' scores as exact entries."""
+        nonlocal cap_s
         est = _summarise(instance, blocks, a2ps, scorer)
         cands.append(_Candidate(name, np.asarray(r2g, dtype=np.int64), est))
+        if name == "default" and objective == "total":
+            cap_s = est["slowest_stage_s"]
         for b, (foot, a2p) in enumerate(zip(feet, a2ps)):
             if len(foot) > 1:
                 _offer_exact(exact, (b, tuple(sorted(foot.values(), reverse=True))), est["block_scores"][b], a2p,
-                             objective)
+                             cap_s, objective)
         return est
 
     try:
-        # ---- the default layout, scored first (whatever the budget): a candidate and a hint
+        # ---- the default layout, scored first (whatever the budget): a candidate, a hint, the cap
         hints: list[list[dict[int, int]]] = []
         default_feet, default_a2p = _block_feet(instance, blocks, default_r2g)
         if default_ok:
@@ -1577,8 +1609,9 @@ def plan_layout(
             hints.insert(0, default_feet)
         # ---- candidate shapes per block, the first-fit layout, the footprint MILP ----------------
         max_free = int(free.max()) if free.size else 0
-        # kept for the finish: the replicas <-> experts alternation
-        finish_s = 0.0
+        # kept for the finish: the evaluator's check (the default's and the pick's) and the
+        # replicas <-> experts alternation
+        finish_s = 2.0 * eval_s
         reserve_s = finish_s + FINISH_SHARE * budget.work_s
         for unit in _units(instance, blocks):
             shapes: list[list[tuple[int, ...]]] = []
@@ -1614,7 +1647,7 @@ def plan_layout(
                 infeasible_units += 1
                 continue
             found, status = _solve_footprints(instance, blocks, shapes, free, scorer, options, unit_hints, budget,
-                                              details, exact=exact, reserve_s=reserve_s,
+                                              details, exact=exact, cap_s=cap_s, reserve_s=reserve_s,
                                               finish_s=finish_s)
             details["footprint_status"] = status
             if found is not None:
@@ -1651,7 +1684,7 @@ def plan_layout(
                     # validation ones, one on all of them
                     predicted = ((MAX_SOURCE_ROUNDS + 1) * fit.predict_s(blocks[b], P)
                                  + 2 * val.predict_s(blocks[b], P) + scorer.predict_s(blocks[b], P))
-                    if not budget.affords(predicted):
+                    if not budget.affords(predicted + 2.0 * eval_s):
                         src_info[str(b)] = {"skipped": "work budget"}
                         continue
                     moved[b], info = _place_sources(fit, val, blocks[b], a2ps[b], stop=budget.stopped)
@@ -1666,18 +1699,44 @@ def plan_layout(
             raise InfeasibleError(_deepep_reason(consumer, blocks, free, par.world_size, cl.num_domains))
         raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
 
-    # ---- the choice: best on the objective ---------------------------------------------------------
+    # ---- the choice: best on the objective, within the cap, and the evaluator's check -------------
+    def within(c: _Candidate) -> bool:
+        return cap_s is None or c.estimate["slowest_stage_s"] <= cap_s * (1 + 1e-9) + 1e-12
+
     def rank(c: _Candidate) -> tuple:
         return _rank_key(c.estimate, objective) + (-cands.index(c),)  # on a tie, the later (more refined)
 
     details["candidates"] = {c.name: {"total_bytes": c.estimate["total_bytes"],
-                                      "slowest_stage_s": c.estimate["slowest_stage_s"]} for c in cands}
-    order = sorted(cands, key=rank)
-    chosen: _Candidate
-    if order:
-        chosen = order[0]
-    elif default_ok:  # stopped before anything was scored
+                                      "slowest_stage_s": c.estimate["slowest_stage_s"], "within_cap": within(c)}
+                             for c in cands}
+    details["stage_time_cap_s"] = cap_s
+    order = sorted((c for c in cands if within(c)), key=rank)
+    chosen: _Candidate | None = None
+    if default_ok and not order:  # stopped before anything was scored
         chosen = _Candidate("default, contiguous experts", default_r2g, {})
+    elif default_ok:
+        # The evaluator has the last word on time: the layout with its expert map must not make the
+        # slowest stage slower than the default layout as the `default` solver gives it (contiguous
+        # experts); candidates are checked in order, the default with contiguous experts passes.
+        budget.charge(eval_s)
+        default_metrics = evaluate(instance, Placement(default_r2g, identity))
+        default_s = default_metrics.alltoall_time_s_per_step
+        checked: list[dict] = []
+        for c in order[:3]:
+            if c.name == "default" and np.array_equal(c.estimate["phy2log"], identity):
+                chosen = c
+                break
+            budget.charge(eval_s)
+            t = evaluate(instance, Placement(c.rank2gpu, c.estimate["phy2log"])).alltoall_time_s_per_step
+            checked.append({"candidate": c.name, "alltoall_time_s_per_step": t})
+            if t <= default_s * (1 + 1e-9) + 1e-12:
+                chosen = c
+                break
+        if chosen is None:
+            chosen = _Candidate("default, contiguous experts", default_r2g, _from_metrics(default_metrics, identity))
+        details["evaluator_check"] = {"default_alltoall_time_s_per_step": default_s, "checked": checked}
+    elif order:
+        chosen = order[0]
     else:
         raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
     rank2gpu, est = chosen.rank2gpu.copy(), chosen.estimate
@@ -1737,12 +1796,13 @@ def _milp_predict_s(nnz: int, objective: str) -> float:
 
 
 def _offer_exact(exact: dict, key: tuple[int, tuple[int, ...]], score: ShapeScore, a2p: np.ndarray,
-                 objective: str) -> None:
-    """Keep the better realisation of (block, shape) in ``exact``, by the objective (bytes then time
-    for ``total``, time then bytes for ``bottleneck``)."""
+                 cap_s: float | None, objective: str) -> None:
+    """Keep the better realisation of (block, shape) in ``exact``: within the time cap first, then by
+    the objective (bytes then time for ``total``, time then bytes for ``bottleneck``)."""
 
     def rank(sc: ShapeScore) -> tuple:
-        return (sc.total_bytes, sc.time_s) if objective == "total" else (sc.time_s, sc.total_bytes)
+        over = cap_s is not None and sc.time_s > cap_s * (1 + 1e-9) + 1e-12
+        return (over, sc.total_bytes, sc.time_s) if objective == "total" else (over, sc.time_s, sc.total_bytes)
 
     old = exact.get(key)
     if old is None or rank(score) < rank(old[0]):
@@ -1761,6 +1821,7 @@ def _solve_footprints(
     details: dict,
     *,
     exact: dict,
+    cap_s: float | None,
     reserve_s: float,
     finish_s: float,
 ) -> tuple[list[list[dict[int, int]]] | None, str]:
@@ -1785,7 +1846,10 @@ def _solve_footprints(
     scores every straddling (block, shape) of the pick exactly, and solves again, until its pick
     is exact everywhere (then it is optimal for the prices) or the work budget ends.
 
-    Shapes whose price exceeds the incumbent's total are left out.  Blocks of one size and
+    ``cap_s`` (the ``total`` objective): shapes whose time for the block (exact, priced or
+    estimated) exceeds it are left out of the model, so no stage of a pick is slower than the
+    default layout's slowest stage (whose own exact entries are within it by construction).
+    Shapes whose price exceeds the incumbent's total are left out too.  Blocks of one size and
     layer count are interchangeable under these prices; the symmetry breaking gives the straddling
     footprints to the last of them.  ``reserve_s``: predicted seconds kept for the caller; the
     exact scoring of a pick (which the caller would do anyway) may use all but ``finish_s`` of it.
@@ -1836,7 +1900,7 @@ def _solve_footprints(
         if not budget.affords(scorer.predict_s(blocks[b], len(sh)) + finish_s):
             return False
         a2p = scorer.slices(blocks[b], sh)
-        _offer_exact(exact, (b, sh), scorer.score(blocks[b], a2p)[0], a2p, objective)
+        _offer_exact(exact, (b, sh), scorer.score(blocks[b], a2p)[0], a2p, cap_s, objective)
         return True
 
     def estimate(size: int, sh: tuple[int, ...]) -> float | None:
@@ -1917,14 +1981,20 @@ def _solve_footprints(
 
         def __init__(self) -> None:
             self.cost, self.tim = tables()
+            self.ok = [[cap_s is None or self.tim[b][k] <= cap_s * (1 + 1e-9) + 1e-12 for k in range(len(shapes[b]))]
+                       for b in range(B)]
 
         def value(self, feet: list[dict[int, int]]) -> tuple[float, float]:
             ks = [shapes[b].index(shape_of(f)) for b, f in enumerate(feet)]
             return sum(self.cost[b][k] for b, k in enumerate(ks)), max(self.tim[b][k] for b, k in enumerate(ks))
 
+        def feasible(self, feet: list[dict[int, int]]) -> bool:
+            return all(self.ok[b][shapes[b].index(shape_of(f))] for b, f in enumerate(feet))
+
         def best(self, cands: Sequence[tuple[list[dict[int, int]], str]]) -> tuple[list[dict[int, int]], str] | None:
-            """The best candidate (first on ties), ``None`` if there is none."""
-            return min(cands, key=lambda c: key(self.value(c[0]))) if cands else None
+            """The best feasible candidate (first on ties), ``None`` if none is feasible."""
+            ok = [c for c in cands if self.feasible(c[0])]
+            return min(ok, key=lambda c: key(self.value(c[0]))) if ok else None
 
     # every complete footprint seen: the hints, then each round's pick (with its MILP status)
     seen: list[tuple[list[dict[int, int]], str]] = [(list(f), "WARM_START") for f in hints]
@@ -1956,11 +2026,11 @@ def _solve_footprints(
         while True:
             rounds += 1
             view = _View()
-            # warm start: the best complete footprint so far; HiGHS as scipy exposes
+            # warm start: the best complete footprint within the cap so far; HiGHS as scipy exposes
             # it takes no starting solution, so it is the fallback, the yardstick and the cutoff
             # that prunes shapes which alone price it out
             warm = view.best(seen)
-            keep = [list(range(len(shapes[b]))) for b in range(B)]
+            keep = [[k for k in range(len(shapes[b])) if view.ok[b][k]] for b in range(B)]
             if warm is not None:
                 wb, wt = view.value(warm[0])
                 if objective == "total":

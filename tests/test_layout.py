@@ -419,6 +419,11 @@ def test_plan_is_valid_exact_and_no_worse_than_default(seed, down, mode, objecti
     assert plan.details["estimated_total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9, abs=1e-6)
     key = "total_bytes" if objective == "total" else "slowest_stage_s"
     assert plan.details["estimate"][key] <= plan.details["default_estimate"][key] * (1 + 1e-9) + 1e-9
+    if objective == "total":  # no stage slower than the default's slowest, on the estimator
+        assert max(plan.details["estimate"]["stage_time_s"]) <= plan.details["stage_time_cap_s"] * (1 + 1e-9)
+    # ... and on the evaluator, whatever the objective
+    default = Placement(default_rank2gpu(inst), np.tile(np.arange(8), (3, 1)))
+    assert m.alltoall_time_s_per_step <= evaluate(inst, default).alltoall_time_s_per_step * (1 + 1e-9)
     # a footprint uses every free GPU at most once and the stage footprints add up
     assert [sum(c for _, c in f) for f in plan.details["stage_footprints"]] == [4, 4]
 
@@ -434,6 +439,98 @@ def test_a_stop_request_returns_a_valid_layout_at_once(tiny):
     assert time.monotonic() - t0 < 5.0
     assert check(tiny, Placement(plan.rank2gpu, plan.phy2log)) == []
     assert plan.details["wall_clock_cut"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# the total objective never makes the slowest stage slower than the default layout's
+# ---------------------------------------------------------------------------------------------
+def _sliver_prone(seed: int) -> Instance:
+    """Two EP groups of 4 on three 4-GPU domains (one GPU per tray, so parts of any size), some GPUs
+    down: on these seeds the bytes-optimal layout leaves a 1-GPU sliver whose NIC makes a stage
+    1.3-1.5x slower than the default layout's slowest stage."""
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=8, top_k=3, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=4,
+                           gpus_per_tray=1, tokens=12, moe_layers=int(rng.integers(2, 6)))
+    available = np.ones(12, dtype=bool)
+    available[rng.choice(12, size=int(rng.integers(1, 4)), replace=False)] = False
+    return _with_available(inst, available)
+
+
+def _every_footprint(inst: Instance) -> list[tuple[float, float, list[float]]]:
+    """Brute force: (total bytes, slowest stage s, stage times) of every footprint of the blocks over
+    the domains, each scored by the estimator (contiguous slices, its own expert maps)."""
+    from solvers.layout import _free_per_domain, _summarise
+
+    blocks = layout_blocks(inst)
+    free = _free_per_domain(inst)
+    D = len(free)
+    scorer = BlockScorer(inst, group_preserving=False)
+    per_block = []
+    for blk in blocks:
+        per_block.append([{d: c[d] for d in range(D) if c[d]} for c in itertools.product(range(blk.size + 1), repeat=D)
+                          if sum(c) == blk.size and all(c[d] <= free[d] for d in range(D))])
+    out = []
+    for feet in itertools.product(*per_block):
+        if any(sum(f.get(d, 0) for f in feet) > free[d] for d in range(D)):
+            continue
+        a2ps = [scorer.slices(blk, tuple(sorted(f.values(), reverse=True))) for blk, f in zip(blocks, feet)]
+        est = _summarise(inst, blocks, a2ps, scorer)
+        out.append((est["total_bytes"], est["slowest_stage_s"], est["stage_time_s"]))
+    return out
+
+
+@pytest.mark.parametrize("seed", [17, 40, 50])
+def test_total_objective_keeps_every_stage_within_the_defaults_slowest(seed):
+    inst = _sliver_prone(seed)
+    plan = _plan(inst)
+    cap = plan.details["default_estimate"]["slowest_stage_s"]
+    assert plan.details["stage_time_cap_s"] == cap
+    every = _every_footprint(inst)
+    # the cap binds here: the bytes-optimal footprint is slower than the default's slowest stage
+    cheapest = min(every, key=lambda r: (r[0], r[1]))
+    assert cheapest[1] > cap * 1.1
+    # every stage of the plan is within the cap, and no footprint within it moves fewer bytes
+    assert max(plan.details["estimate"]["stage_time_s"]) <= cap * (1 + 1e-9)
+    best_within = min(r[0] for r in every if r[1] <= cap * (1 + 1e-9))
+    assert plan.details["estimated_total_bytes"] <= best_within * (1 + 1e-9)
+    # and on the evaluator's numbers, with the plan's expert maps
+    placement = Placement(plan.rank2gpu, plan.phy2log)
+    default = Placement(default_rank2gpu(inst), np.tile(np.arange(8), (inst.model.num_moe_layers, 1)))
+    assert check(inst, placement) == []
+    assert evaluate(inst, placement).alltoall_time_s_per_step <= evaluate(inst, default).alltoall_time_s_per_step * (1 + 1e-9)
+
+
+def test_bottleneck_objective_is_the_brute_force_optimum_on_a_small_case():
+    inst = _sliver_prone(40)
+    plan = _plan(inst, objective="bottleneck")
+    assert plan.details["stage_time_cap_s"] is None
+    fastest = min(r[1] for r in _every_footprint(inst))
+    assert plan.details["estimated_slowest_stage_s"] <= fastest * (1 + 1e-9)
+
+
+def test_evaluator_check_falls_back_to_the_default_layout(monkeypatch):
+    """If the evaluator found every candidate slower than the default (the estimator's times are
+    approximate), the default layout with contiguous experts is returned."""
+    from placement import cost
+
+    inst = _sliver_prone(40)
+    real = cost.evaluate
+    identity = np.tile(np.arange(8), (inst.model.num_moe_layers, 1))
+    default_r2g = default_rank2gpu(inst)
+
+    def pessimistic(instance, placement, **kw):
+        m = real(instance, placement, **kw)
+        if np.array_equal(placement.rank2gpu, default_r2g) and np.array_equal(placement.phy2log, identity):
+            return m
+        import dataclasses
+
+        return dataclasses.replace(m, alltoall_time_s_per_step=m.alltoall_time_s_per_step * 100)
+
+    monkeypatch.setattr(cost, "evaluate", pessimistic)
+    plan = _plan(inst)
+    assert plan.details["chosen"] == "default, contiguous experts"
+    assert plan.rank2gpu.tolist() == default_r2g.tolist() and plan.phy2log.tolist() == identity.tolist()
+    assert len(plan.details["evaluator_check"]["checked"]) >= 1
 
 
 # ---------------------------------------------------------------------------------------------
