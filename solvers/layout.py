@@ -46,12 +46,15 @@ Step 2, footprints, jointly with the experts at domain granularity.  A block's *
     construction, so the cap never makes the model infeasible.
 
     Candidates.  Complete layouts are scored exactly on the estimator and compete at the end: the
-    ``default`` layout, ``first_fit`` (blocks with most MoE layers first, each into the tightest
-    domain that holds it, the rest split over the domains with most room), the MILP's pick and the
-    pick with moved replicas (Step 3).  Their footprints are the MILP's warm start (HiGHS as scipy
-    exposes it takes no starting solution, so the best of them is the fallback, the yardstick every
-    pick must beat and the cutoff that prunes shapes), and their blocks' scores are exact entries
-    of the model.  The default layout is scored before anything else, whatever the budget.  (CP-SAT was
+    ``default`` layout, ``packed`` (:func:`solvers.packed.packed_rank2gpu`, whole EP groups packed
+    into racks, best fit: the careful engineer's layout), ``first_fit`` (blocks with most MoE
+    layers first, each into the tightest domain that holds it, the rest split over the domains
+    with most room), the MILP's pick and the pick with moved replicas (Step 3).  Their footprints
+    are the MILP's warm start (HiGHS as scipy exposes it takes no starting solution, so the best of
+    them is the fallback, the yardstick every pick must beat and the cutoff that prunes shapes),
+    and their blocks' scores are exact entries of the model.  The default and packed layouts are
+    scored before anything else, whatever the budget, so the layout returned at any limit is never
+    worse than either on the estimator, under the objective in force and the cap.  (CP-SAT was
     tried first on the footprint model: with one worker it took 10-20 s to prove what HiGHS proves
     in a few, and its interleaved multi-worker mode, the deterministic one, stalled far from the
     optimum.)
@@ -1539,6 +1542,7 @@ def plan_layout(
     from placement.cost import evaluate
     from placement.model import Placement
     from solvers.default import default_rank2gpu
+    from solvers.packed import packed_rank2gpu
 
     t_start = time.monotonic()
     par, cl, m = instance.parallel, instance.cluster, instance.model
@@ -1556,8 +1560,8 @@ def plan_layout(
     eval_s = _EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
     details: dict = {
         "method": "footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain "
-                  "granularity); replicas <-> experts alternation on straddling blocks; default and first-fit "
-                  "layouts as candidates",
+                  "granularity); replicas <-> experts alternation on straddling blocks; default, packed and "
+                  "first-fit layouts as candidates",
         "objective": objective,
         "consumer": consumer,
         "group_preserving": bool(gp),
@@ -1601,8 +1605,17 @@ def plan_layout(
         return est
 
     try:
-        # ---- the default layout, scored first (whatever the budget): a candidate, a hint, the cap
+        # ---- the peers' layouts, scored first (whatever the budget): candidates, hints, and
+        # (default) the cap; packed first, the stronger fallback when the clock cuts in between
         hints: list[list[dict[int, int]]] = []
+        packed_r2g = packed_rank2gpu(instance)
+        try:
+            packed_feet, packed_a2p = _block_feet(instance, blocks, packed_r2g)
+        except SolverError:  # a TP x CP group across domains: not a layout this module can score
+            packed_feet = []
+        if packed_feet and rule_ok(packed_r2g):
+            add("packed", packed_r2g, packed_feet, packed_a2p)
+            hints.append(packed_feet)
         default_feet, default_a2p = _block_feet(instance, blocks, default_r2g)
         if default_ok:
             est_default = add("default", default_r2g, default_feet, default_a2p)

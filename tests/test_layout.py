@@ -534,6 +534,33 @@ def test_evaluator_check_falls_back_to_the_default_layout(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# never worse than the careful engineer's layout (solvers/packed.py) or the default, at any budget
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,work_s", [("dsv3_256", 0.0), ("qwen3_256", 0.0), ("qwen3_256", None)])
+def test_never_worse_than_packed_or_default_at_any_budget(name, work_s):
+    """With no work budget at all (the MILP never runs) as with a full one, the layout returned is no
+    worse on the estimator than ``packed`` and ``default`` under the objective and its cap."""
+    import placement
+    from solvers.packed import packed_rank2gpu
+    from tests.conftest import INSTANCES
+
+    inst = placement.load_instance(INSTANCES / f"{name}.json").for_solver()
+    gp = inst.model.group_limited
+    plan = plan_layout(inst, SolveOptions(num_workers=1), deadline=time.monotonic() + 120, work_s=work_s)
+    assert plan.details["wall_clock_cut"] is False
+    assert plan.details["work_budget_exhausted"] is (work_s == 0.0)
+    cap = plan.details["stage_time_cap_s"]
+    got = plan.details["estimate"]
+    assert set(plan.details["candidates"]) >= {"default", "packed"}
+    for peer in (packed_rank2gpu(inst), default_rank2gpu(inst)):
+        est = estimate_layout(inst, peer, group_preserving=gp)
+        if est["slowest_stage_s"] <= cap * (1 + 1e-9):
+            assert got["total_bytes"] <= est["total_bytes"] * (1 + 1e-9)
+    assert got["slowest_stage_s"] <= cap * (1 + 1e-9)
+    assert check(inst, Placement(plan.rank2gpu, plan.phy2log)) == []
+
+
+# ---------------------------------------------------------------------------------------------
 # determinism: decisions on a work budget, never on the clock; no wall-clock values in details
 # ---------------------------------------------------------------------------------------------
 def _eight_wide() -> Instance:
