@@ -93,15 +93,17 @@ straddling block are *alternated* until neither improves (Step 3).
 
 Determinism and the clock.  The layout's work is sized by a deterministic budget
 (``LAYOUT_TIME_SHARE * options.time_limit_s`` predicted seconds, ``options.time_limit_s`` being the
-solver's work budget, which depends on the instance's size only): every step (pricing a shape,
-scoring a block, a MILP round, the replica alternation, the evaluator's check) is started only if
-its *predicted* cost fits what is left, predicted from sizes and counts, never from the clock
-(:class:`_Budget`).  HiGHS gets a node limit (deterministic) and solves each round to the end;
+solver's work budget, which depends on the instance's size only): every optional step (pricing a
+shape, scoring a block, a MILP round, the replica alternation) is started only if its *predicted*
+cost fits what is left, predicted from sizes and counts, never from the clock (:class:`_Budget`);
+scoring the default and packed layouts and the evaluator's check always run and are charged to it.  HiGHS gets a node limit (deterministic) and solves each round to the end;
 every other step is a pure function of its inputs (swap searches count swaps).  So the same
 instance, options and seed give the same layout and the same ``details``, byte for byte, on a fast
 or a busy machine.  The wall-clock deadline and stop requests are the safety net: they are polled
-between steps (HiGHS gets the wall time left, at least 0.5 s, as its time limit), and the best complete
-candidate so far is returned; ``details["wall_clock_cut"]``
+between steps and between the layers of every scoring (HiGHS gets the wall time left as its time
+limit), steps stop early enough to leave the evaluator's check its predicted time, and the best
+complete candidate so far is returned at once (after a cut the evaluator checks one candidate,
+then falls back to the default layout); ``details["wall_clock_cut"]``
 says when that happened (the only case where the result can depend on the clock).  ``details``
 holds no wall-clock value (timings go to the log).
 """
@@ -289,7 +291,7 @@ class _Budget:
     evaluator) is taken on predicted costs alone: functions of the instance's sizes and of counts
     of work done (:meth:`BlockScorer.predict_s`, :func:`_milp_predict_s`), never of the clock, so the
     same instance, options and seed do the same work on a fast or a busy machine.  The deadline and
-    stop requests are polled between steps (:meth:`stopped`);
+    stop requests are polled between steps and between the layers of a scoring (:meth:`stopped`);
     when one ends a step, :attr:`cut` records it (the only way the result can depend on the clock).
 
     Parameters
@@ -297,11 +299,13 @@ class _Budget:
     work_s : the budget, predicted seconds.
     deadline : ``time.monotonic()`` instant of the safety net.
     options : for :meth:`SolveOptions.stop_requested`.
+    finish_s : wall seconds kept before ``deadline`` for the finish (the evaluator's check): steps
+        are cut that much earlier.
     """
 
-    def __init__(self, work_s: float, deadline: float, options: SolveOptions):
+    def __init__(self, work_s: float, deadline: float, options: SolveOptions, finish_s: float = 0.0):
         self.work_s = float(work_s)
-        self.deadline = float(deadline)
+        self.deadline = float(deadline) - max(0.0, float(finish_s))
         self.options = options
         self.charged_s = 0.0  # predicted seconds of MILP solves and evaluator runs
         self.scorers: list[BlockScorer] = []  # their expert placements count too
@@ -876,12 +880,18 @@ class BlockScorer:
         *,
         layers: Sequence[int] | None = None,
         max_swaps: int = MAX_SWAPS,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[ShapeScore, list]:
         """Score ``block`` with its atoms on parts ``atom2part`` (n_atoms,).
 
         ``layers``: only these MoE layers of the block's stage (default: all of them).  Returns the
         score and, per layer, per EP group, the :class:`PartPlacement` (``None`` for a group inside
         one part).  Every expert placement done adds its predicted seconds to :attr:`work_s`.
+
+        Raises
+        ------
+        _Stopped
+            ``stop()`` turned true between two layers (nothing is cached then).
         """
         layer_ids = block.moe_layers if layers is None else np.asarray(layers, dtype=np.int64)
         key = (block.index, tuple(int(x) for x in atom2part), tuple(int(x) for x in layer_ids), max_swaps)
@@ -893,6 +903,8 @@ class BlockScorer:
         arrivals = np.zeros(int(atom2part.max()) + 1)
         part_nic = np.zeros(int(atom2part.max()) + 1)  # summed over layers of each part's busiest NIC
         for layer in layer_ids:
+            if stop is not None and stop():
+                raise _Stopped
             layer_part_nic = np.zeros_like(part_nic)
             layer_bytes, nic_max = 0.0, 0.0
             lay: list[PartPlacement | None] = []
@@ -1294,16 +1306,18 @@ def estimate_layout(instance: Instance, rank2gpu: np.ndarray, *, group_preservin
     return _summarise(instance, blocks, a2ps, scorer)
 
 
-def _summarise(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.ndarray], scorer: BlockScorer) -> dict:
+def _summarise(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.ndarray], scorer: BlockScorer,
+               stop: Callable[[], bool] | None = None) -> dict:
     """The estimate of a complete layout given as (n_atoms,) atom -> part per block (see
-    :func:`estimate_layout`); ``block_scores`` adds each block's :class:`ShapeScore`."""
+    :func:`estimate_layout`); ``block_scores`` adds each block's :class:`ShapeScore`.  Raises
+    :class:`_Stopped` when ``stop()`` turns true between layers."""
     pp = instance.parallel.pp
     stage_bytes = [0.0] * pp
     stage_time = [0.0] * pp
     chosen: dict[int, tuple[float, int, list]] = {}  # stage -> (weight, block, placements)
     block_scores: list[ShapeScore] = []
     for block, a2p in zip(blocks, a2ps):
-        sc, placements = scorer.score(block, a2p)
+        sc, placements = scorer.score(block, a2p, stop=stop)
         block_scores.append(sc)
         stage_bytes[block.stage] += sc.total_bytes
         stage_time[block.stage] = max(stage_time[block.stage], sc.time_s)
@@ -1393,21 +1407,19 @@ def _atom_costs(scorer: BlockScorer, block: Block, placements: list, P: int) -> 
 
 
 def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Block, a2p: np.ndarray,
-                   stop: Callable[[], bool] = lambda: False) -> tuple[np.ndarray, dict]:
+                   stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, dict]:
     """Alternate replicas -> parts (assignment) and experts -> parts until neither improves (at most
-    :data:`MAX_SOURCE_ROUNDS` rounds, fewer once ``stop()`` turns true)."""
+    :data:`MAX_SOURCE_ROUNDS` rounds).  Raises :class:`_Stopped` when ``stop()`` turns true."""
     info: dict[str, float | int | bool | None] = {"rounds": 0, "fit_before": None, "fit_after": None, "val_before": None, "val_after": None, "kept": False}
     if block.ep_groups.shape[0] != 1 or a2p.max() == 0:
         return a2p, info
     P = int(a2p.max()) + 1
     cells = _source_cells(block, scorer_fit.group_size, scorer_fit.experts_per_rank)
-    base_fit, placements = scorer_fit.score(block, a2p)
+    base_fit, placements = scorer_fit.score(block, a2p, stop=stop)
     best, best_fit = a2p.copy(), base_fit.total_bytes
     info["fit_before"] = best_fit
     cur, cur_pl = a2p.copy(), placements
     for rnd in range(MAX_SOURCE_ROUNDS):
-        if stop():
-            break
         cost = _atom_costs(scorer_fit, block, cur_pl, P)
         new = cur.copy()
         for c in np.unique(cells):
@@ -1417,7 +1429,7 @@ def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Bloc
             new[idx[rows]] = slots[cols]
         if np.array_equal(new, cur):
             break
-        sc, pl = scorer_fit.score(block, new)
+        sc, pl = scorer_fit.score(block, new, stop=stop)
         info["rounds"] = rnd + 1
         if sc.total_bytes >= best_fit - 1e-6:
             break
@@ -1426,8 +1438,8 @@ def _place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Bloc
     info["fit_after"] = best_fit
     if np.array_equal(best, a2p):
         return a2p, info
-    v0 = scorer_val.score(block, a2p)[0].total_bytes
-    v1 = scorer_val.score(block, best)[0].total_bytes
+    v0 = scorer_val.score(block, a2p, stop=stop)[0].total_bytes
+    v1 = scorer_val.score(block, best, stop=stop)[0].total_bytes
     info["val_before"], info["val_after"] = v0, v1
     if v1 <= v0:
         info["kept"] = True
@@ -1554,10 +1566,12 @@ def plan_layout(
     blocks = layout_blocks(instance)
     free = _free_per_domain(instance)
     scorer = BlockScorer(instance, group_preserving=gp)
-    budget = _Budget(LAYOUT_TIME_SHARE * options.time_limit_s if work_s is None else work_s, deadline, options)
-    budget.scorers.append(scorer)
     identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
     eval_s = _EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
+    # the evaluator's check (the default's and the pick's) runs after the steps: keep its time
+    budget = _Budget(LAYOUT_TIME_SHARE * options.time_limit_s if work_s is None else work_s, deadline, options,
+                     finish_s=2.0 * eval_s)
+    budget.scorers.append(scorer)
     details: dict = {
         "method": "footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain "
                   "granularity); replicas <-> experts alternation on straddling blocks; default, packed and "
@@ -1594,7 +1608,7 @@ def plan_layout(
     def add(name: str, r2g: np.ndarray, feet: Sequence[dict[int, int]], a2ps: Sequence[np.ndarray]) -> dict:
         """Score a complete layout, keep it as a candidate, and its blocks' scores as exact entries."""
         nonlocal cap_s
-        est = _summarise(instance, blocks, a2ps, scorer)
+        est = _summarise(instance, blocks, a2ps, scorer, stop=budget.stopped)
         cands.append(_Candidate(name, np.asarray(r2g, dtype=np.int64), est))
         if name == "default" and objective == "total":
             cap_s = est["slowest_stage_s"]
@@ -1689,19 +1703,20 @@ def plan_layout(
                 val = BlockScorer(instance, group_preserving=gp, tokens="val")
                 budget.scorers += [fit, val]
                 moved = list(a2ps)
-                for b in straddling:
-                    if budget.stopped():
-                        break
-                    P = len(feet[b])
-                    # up to MAX_SOURCE_ROUNDS + 1 scorings on the fit tokens, two on the
-                    # validation ones, one on all of them
-                    predicted = ((MAX_SOURCE_ROUNDS + 1) * fit.predict_s(blocks[b], P)
-                                 + 2 * val.predict_s(blocks[b], P) + scorer.predict_s(blocks[b], P))
-                    if not budget.affords(predicted + 2.0 * eval_s):
-                        src_info[str(b)] = {"skipped": "work budget"}
-                        continue
-                    moved[b], info = _place_sources(fit, val, blocks[b], a2ps[b], stop=budget.stopped)
-                    src_info[str(b)] = info
+                try:
+                    for b in straddling:
+                        P = len(feet[b])
+                        # up to MAX_SOURCE_ROUNDS + 1 scorings on the fit tokens, two on the
+                        # validation ones, one on all of them
+                        predicted = ((MAX_SOURCE_ROUNDS + 1) * fit.predict_s(blocks[b], P)
+                                     + 2 * val.predict_s(blocks[b], P) + scorer.predict_s(blocks[b], P))
+                        if not budget.affords(predicted + 2.0 * eval_s):
+                            src_info[str(b)] = {"skipped": "work budget"}
+                            continue
+                        moved[b], info = _place_sources(fit, val, blocks[b], a2ps[b], stop=budget.stopped)
+                        src_info[str(b)] = info
+                except _Stopped:
+                    pass
                 if any(not np.array_equal(x, y) for x, y in zip(moved, a2ps)):
                     add("optimized, replicas moved", _assign_gpus(instance, blocks, feet, moved)[0], feet, moved)
             details["source_placement"] = src_info
@@ -1735,7 +1750,7 @@ def plan_layout(
         default_metrics = evaluate(instance, Placement(default_r2g, identity))
         default_s = default_metrics.alltoall_time_s_per_step
         checked: list[dict] = []
-        for c in order[:3]:
+        for c in order[: 1 if budget.cut else 3]:  # cut by the clock: one try, then the default
             if c.name == "default" and np.array_equal(c.estimate["phy2log"], identity):
                 chosen = c
                 break
@@ -1895,7 +1910,7 @@ def _solve_footprints(
             return False
         tot, nic, arr, pn = 0.0, 0.0, np.zeros(len(sh)), np.zeros(len(sh))
         for b, layer in samples[size]:
-            sc = scorer.score(blocks[b], scorer.slices(blocks[b], sh), layers=[layer])[0]
+            sc = scorer.score(blocks[b], scorer.slices(blocks[b], sh), layers=[layer], stop=budget.stopped)[0]
             tot += sc.total_bytes
             nic += sc.layer_nic_s[0]
             arr += np.asarray(sc.part_bytes)
@@ -1913,7 +1928,7 @@ def _solve_footprints(
         if not budget.affords(scorer.predict_s(blocks[b], len(sh)) + finish_s):
             return False
         a2p = scorer.slices(blocks[b], sh)
-        _offer_exact(exact, (b, sh), scorer.score(blocks[b], a2p)[0], a2p, cap_s, objective)
+        _offer_exact(exact, (b, sh), scorer.score(blocks[b], a2p, stop=budget.stopped)[0], a2p, cap_s, objective)
         return True
 
     def estimate(size: int, sh: tuple[int, ...]) -> float | None:
@@ -2069,8 +2084,7 @@ def _solve_footprints(
             budget.check()
             budget.charge(predicted)
             t_round = time.monotonic()
-            st, picked, _, _ = model.solve(objective, time_limit_s=max(0.5, budget.wall_left_s()),
-                                           node_limit=_MILP_NODE_LIMIT)
+            st, picked, _, _ = model.solve(objective, time_limit_s=budget.wall_left_s(), node_limit=_MILP_NODE_LIMIT)
             shapes_kept.append(int(sum(len(k) for k in keep)))
             log.info("footprint round %d: %s in %.2f s (%d shapes, %d nonzeros, %.2f s predicted)", rounds, st,
                      time.monotonic() - t_round, shapes_kept[-1], model.nnz, predicted)
@@ -2108,9 +2122,11 @@ def _solve_footprints(
     def exact_everywhere(feet: list[dict[int, int]]) -> bool:
         return all(len(f) == 1 or (b, shape_of(f)) in exact for b, f in enumerate(feet))
 
-    # the best on the model's prices (the caller scores it exactly), and the best already scored
-    # exactly everywhere (all the caller can afford when the clock has cut in: first then)
-    finals = [c for c in (view.best(seen), view.best([c for c in seen if exact_everywhere(c[0])])) if c is not None]
+    # the best on the model's prices (the caller scores it exactly), and the best pick already
+    # scored exactly everywhere (all the caller can afford when the clock has cut in: first then;
+    # the hints are the caller's own candidates already)
+    scored = [c for c in seen[len(hints):] if exact_everywhere(c[0])]
+    finals = [c for c in (view.best(seen), view.best(scored)) if c is not None]
     if budget.cut:
         finals.reverse()
     finals = [c for i, c in enumerate(finals) if all(c[0] != d[0] for d in finals[:i])]

@@ -606,3 +606,19 @@ def test_more_work_budget_never_gives_a_worse_layout():
     totals = [plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=w).details["estimated_total_bytes"]
               for w in (0.0, 0.08, 30.0)]
     assert totals[2] <= totals[1] * (1 + 1e-9) and totals[1] <= totals[0] * (1 + 1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# the deadline: polled inside long steps, the best complete candidate returned at once
+# ---------------------------------------------------------------------------------------------
+def test_the_deadline_cuts_a_long_scoring_promptly(monkeypatch):
+    """Each expert placement takes 0.2 s: scoring the default layout alone would take seconds; the
+    layout polls the clock between layers and returns a valid layout soon after the deadline."""
+    inst = _eight_wide()
+    _slowed(monkeypatch, 0.2)
+    t0 = time.monotonic()
+    plan = plan_layout(inst, SolveOptions(num_workers=1), deadline=t0 + 0.3, work_s=100.0)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.5, elapsed
+    assert plan.details["wall_clock_cut"] is True
+    assert check(inst, Placement(plan.rank2gpu, plan.phy2log)) == []
