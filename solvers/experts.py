@@ -1993,18 +1993,41 @@ def _worker_problem(layer: int) -> LayerProblem:
 def _solve_layer_task(args: tuple) -> LayerOutcome:
     layer, budget, model_groups, tol, hint_row = args
     if _stop_now(budget.deadline):
-        return _default_outcome(layer, "stopped before the layer started")
+        return _default_outcome(layer, "stopped before the layer started", hint_row)
     problem = _worker_problem(layer)
     return solve_layer(problem, budget, model_groups=model_groups, class_tolerance=tol, hint_phy2log=hint_row)
 
 
-def _default_outcome(layer: int, reason: str) -> LayerOutcome:
-    """The default (identity) map for a layer left unsolved at a stop or the deadline: no work at
-    all, never worse than the default.  Its crossings are filled in from the evaluator."""
-    E = _WORKER["instance"].model.num_experts
-    details = {"layer": layer, "status": "heuristic", "chosen": "default", "fallback_reason": reason,
+def _default_outcome(layer: int, reason: str, hint_row: np.ndarray | None = None) -> LayerOutcome:
+    """The map of a layer left unsolved at a stop or the deadline, with no work at all.
+
+    The map the rank layout was scored with (``hint_row``) when there is a valid one: the layout
+    was chosen with it, and on a layout other than the default the identity map was never scored
+    (a cut that fell back to the identity made the slowest stage slower than the default layout's
+    in one measured run).  Otherwise the default (identity) map.  Crossings come from the evaluator.
+    """
+    model = _WORKER["instance"].model
+    E = model.num_experts
+    row, chosen = np.arange(E, dtype=np.int64), "default"
+    if hint_row is not None and _valid_map(np.asarray(hint_row, dtype=np.int64), model, _WORKER["group_preserving"]):
+        row = np.empty(E, dtype=np.int64)  # hint_row is phy2log (slot -> expert); invert it
+        row[np.asarray(hint_row, dtype=np.int64)] = np.arange(E, dtype=np.int64)
+        chosen = "layout_hint"
+    details = {"layer": layer, "status": "heuristic", "chosen": chosen, "fallback_reason": reason,
                "objective_crossings": None, "bound_crossings": None}
-    return LayerOutcome(layer, np.arange(E, dtype=np.int64), -1, None, False, details)
+    return LayerOutcome(layer, row, -1, None, False, details)
+
+
+def _valid_map(row: np.ndarray, model, group_preserving: bool) -> bool:
+    """``row`` (a phy2log row) is a permutation of the experts and, when required, keeps groups whole."""
+    E = model.num_experts
+    if row.shape != (E,) or not np.array_equal(np.sort(row), np.arange(E)):
+        return False
+    if not group_preserving:
+        return True
+    size = model.experts_per_group
+    blocks = (row // size).reshape(-1, size)
+    return bool((blocks == blocks[:, :1]).all())
 
 
 def _spawn_can_start() -> bool:
@@ -2050,14 +2073,14 @@ def _run_pool(tasks: list, workers: int, deadline: float, init_args: tuple, fini
     if reason is None:
         pool.shutdown(wait=True)
         return
-    log.warning("expert placement: %s with %d layers unsolved; they keep the default map",
+    log.warning("expert placement: %s with %d layers unsolved; they keep the layout's map (else the default)",
                 reason, sum(1 for t in tasks if t[0] not in outcomes))
     for proc in list(getattr(pool, "_processes", {}).values()):  # our own workers, by object
         proc.kill()
     pool.shutdown(wait=False, cancel_futures=True)
     for task in tasks:
         if task[0] not in outcomes:
-            finished(_default_outcome(task[0], reason))
+            finished(_default_outcome(task[0], reason, task[4]))
 
 
 def place_experts(

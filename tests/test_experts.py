@@ -332,3 +332,25 @@ def test_deterministic_budget_depends_only_on_its_arguments():
     b = deterministic_budget(100.0, 2, [1.0, 3.0, 0.0], [10.0, 10.0, 0.0])
     assert a == b and a[2] == 0.0 and a[1] == pytest.approx(3 * a[0])
     assert deterministic_budget(1.0, 2, [1.0], [1e9]) == [0.0]  # no time left: no CP-SAT
+
+
+def test_unsolved_layer_keeps_the_layouts_map(tiny):
+    """A layer cut by the deadline keeps the map its rank layout was scored with, when valid."""
+    import solvers.experts as ex
+
+    saved = dict(ex._WORKER)
+    try:
+        ex._WORKER["instance"] = tiny.for_solver()
+        ex._WORKER["group_preserving"] = True
+        E = tiny.model.num_experts
+        hint = np.concatenate([np.arange(4, 8), np.arange(4)[::-1], np.arange(8, E)])  # groups swapped
+        kept = ex._default_outcome(0, "deadline reached", hint)
+        assert kept.details["chosen"] == "layout_hint"
+        assert (hint[kept.expert2slot] == np.arange(E)).all()  # expert2slot inverts phy2log
+        broken = hint.copy()
+        broken[[0, 4]] = broken[[4, 0]]  # mixes two groups in one block: not allowed
+        assert ex._default_outcome(0, "deadline reached", broken).details["chosen"] == "default"
+        assert ex._default_outcome(0, "deadline reached", None).details["chosen"] == "default"
+    finally:
+        ex._WORKER.clear()
+        ex._WORKER.update(saved)
