@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
                     help="only group-preserving expert permutations (auto: when routing is group-limited)")
     so.add_argument("--objective", default="total", choices=OBJECTIVES,
-                    help="total cross-domain bytes, or the bottleneck (slowest stage's busiest NIC)")
+                    help="total: fewest cross-domain bytes with no stage slower than the default layout's "
+                         "slowest; bottleneck: the slowest stage's all-to-all time")
     so.add_argument("--layout", default="optimize", choices=LAYOUT_MODES,
                     help="optimize the rank -> GPU map, or keep the default one (fixed)")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
