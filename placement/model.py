@@ -19,7 +19,7 @@ Index conventions
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
 
@@ -327,30 +327,10 @@ class Instance:
 
     def for_solver(self) -> Instance:
         """The view a solver gets: identical, but without the held-out window."""
-        return Instance(
-            name=self.name,
-            model=self.model,
-            parallel=self.parallel,
-            cluster=self.cluster,
-            routing=Routing(self.routing.topk, None),
-            cost_mode=self.cost_mode,
-            description=self.description,
-            sha256=self.sha256,
-            extra=self.extra,
-        )
+        return replace(self, routing=Routing(self.routing.topk, None))
 
     def with_cost_mode(self, cost_mode: CostMode) -> Instance:
-        return Instance(
-            name=self.name,
-            model=self.model,
-            parallel=self.parallel,
-            cluster=self.cluster,
-            routing=self.routing,
-            cost_mode=cost_mode,
-            description=self.description,
-            sha256=self.sha256,
-            extra=self.extra,
-        )
+        return replace(self, cost_mode=cost_mode)
 
 
 # ---------------------------------------------------------------------------------------------
