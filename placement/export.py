@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shlex
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +42,7 @@ from placement.model import InfeasibleError, Instance, InvalidInputError, Placem
 
 __all__ = [
     "ExportFormat",
+    "LaunchWarning",
     "FORMATS",
     "PERMUTATION_DIRECTION",
     "sglang_expert_location",
@@ -74,6 +76,12 @@ PERMUTATION_DIRECTION = (
     "weights, the router weight rows and the per-expert bias"
 )
 PERMUTATION_KIND = "placement.expert_permutation"
+
+
+class LaunchWarning(UserWarning):
+    """The export is complete, but a way of launching it will not work (e.g. torchrun for a layout
+    whose hosts hold non-contiguous ranks); the CLI prints it as one ``warning:`` line."""
+
 PERMUTATION_VERSION = 1
 
 
@@ -562,16 +570,28 @@ def export_file(
     out = Path(output_path)
     files = {out: export_text(fmt, placement, instance)}
     if fmt == "slurm" and instance is not None:
+        from placement.launch import launcher_path, launcher_script, torchrun_problem
+
         gpus = slurm_gpus_path(out)
         if gpus == out:
             raise InvalidInputError(f"-o: {out} ends in .gpus, the name of the GPU file written beside the hostfile")
+        launcher = launcher_path(out)
+        if launcher == out:
+            raise InvalidInputError(f"-o: {out} ends in .launch.sh, the name of the launcher written beside the hostfile")
         files[gpus] = slurm_gpus_text(instance, placement)
+        files[launcher] = launcher_script(instance, np.asarray(placement.rank2gpu), out.name)
+        problem = torchrun_problem(instance, np.asarray(placement.rank2gpu))
+        if problem is not None:
+            warnings.warn(f"slurm: torchrun cannot launch this layout ({problem}); use the launcher's srun mode",
+                          LaunchWarning, stacklevel=2)
     if out.is_dir():
         raise InvalidInputError(f"-o: {out} is a directory")
     if not out.parent.exists():
         raise InvalidInputError(f"-o: folder {out.parent} does not exist")
     for path, text in files.items():
         atomic_write_text(path, text)
+        if path.name.endswith(".launch.sh"):
+            path.chmod(path.stat().st_mode | ((path.stat().st_mode & 0o444) >> 2))  # executable where readable
     return files
 
 
