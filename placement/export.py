@@ -18,9 +18,14 @@ megatron   per MoE layer the permutation ``phy2log``:       :mod:`placement.chec
 torchtitan new expert slot ``p`` takes old expert              a Megatron-Core / TorchTitan state
            ``phy2log[p]``                                   dict, offline
 slurm      one host name per line, line ``i`` = rank ``i``  ``SLURM_HOSTFILE`` with
-           (and ``OUT.gpus``: per host CUDA_VISIBLE_DEVICES) ``srun --distribution=arbitrary``
+           (and ``OUT.gpus``: per host CUDA_VISIBLE_DEVICES, ``srun --distribution=arbitrary``
+           ``OUT.launch.sh``: :mod:`placement.launch`)       (or torchrun, where the layout allows)
 hybridep   ``sh`` file of ``export NAME=VALUE`` lines        DeepEP HybridEP / Megatron ``flex``
            (value chosen per rank when EP groups differ)
+maxtext    mesh axes and shape, the device order as         a ``jax.sharding.Mesh`` built from it;
+           (process, local device) pairs, and per MoE       the permutation applied to MaxText's
+           layer ``phy2log`` with the tensor paths and      scanned checkpoint
+           their expert / layer axes (:mod:`placement.maxtext`)
 ========== ================================================ =====================================
 """
 
@@ -66,8 +71,8 @@ __all__ = [
     "export_file",
 ]
 
-ExportFormat = Literal["sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep"]
-FORMATS: tuple[ExportFormat, ...] = ("sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep")
+ExportFormat = Literal["sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep", "maxtext"]
+FORMATS: tuple[ExportFormat, ...] = ("sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep", "maxtext")
 # Formats that can be written from the placement file alone (no layer indices, hosts or domains).
 _WITHOUT_INSTANCE: frozenset[str] = frozenset({"vllm"})
 
@@ -513,6 +518,10 @@ def export_text(fmt: str, placement: Placement, instance: Instance | None) -> st
         return _json_text(expert_permutation(instance, placement, fmt))
     if fmt == "slurm":
         return slurm_hostfile_text(instance, placement)
+    if fmt == "maxtext":
+        from placement.maxtext import maxtext_export
+
+        return _json_text(maxtext_export(instance, placement))
     return hybridep_env_text(instance, placement)
 
 
