@@ -51,6 +51,7 @@ __all__ = [
     "FORMATS",
     "PERMUTATION_DIRECTION",
     "sglang_expert_location",
+    "sglang_layout_problem",
     "parse_sglang_expert_location",
     "vllm_eplb_maps",
     "parse_vllm_eplb_maps",
@@ -114,6 +115,47 @@ def sglang_expert_location(instance: Instance, placement: Placement) -> dict:
     rows = np.tile(np.arange(num_physical) % m.num_experts, (m.num_layers, 1))
     rows[list(m.moe_layers)] = p2l
     return {"physical_to_logical_map": rows.tolist()}
+
+
+def sglang_layout_problem(instance: Instance, placement: Placement) -> str | None:
+    """One line saying why SGLang's EP deployment cannot run this layout, or ``None``.
+
+    SGLang serves an EP model as one engine per EP group: ``--tp-size`` = ``--ep-size`` = ``ep``
+    (``moe_ep_rank = tp_rank // (tp_size // ep_size)``), attention data-parallel over the same
+    ranks, and all of the model's layers on those ranks.  Over several nodes, node ``k`` of an
+    engine runs tp ranks ``k*n .. k*n+n-1`` with ``n = tp_size / nnodes``
+    (``python/sglang/srt/entrypoints/engine.py``: ``tp_size_per_node``, ``tp_rank_range``; the GPU is
+    ``base_gpu_id + local * gpu_id_step`` among the visible ones).  So a layout runs under SGLang
+    when ``pp = tp = cp = 1`` and every EP group is equal consecutive runs of EP ranks, one run per
+    host.
+    """
+    par, cl = instance.parallel, instance.cluster
+    if par.pp > 1:
+        return (
+            f"sglang: pp={par.pp}: each MoE layer's map is tuned for the GPUs of its own pipeline stage, but "
+            f"SGLang's EP deployment runs every layer on one EP group of {par.ep} GPUs; export a pp=1 instance"
+        )
+    if par.tp > 1 or par.cp > 1:
+        return (
+            f"sglang: tp={par.tp} cp={par.cp}: SGLang's EP launch has one attention data-parallel rank per GPU "
+            "(--tp-size = --ep-size = ep, --enable-dp-attention) and no counterpart for the instance's TP/CP ranks"
+        )
+    r2g = np.asarray(placement.rank2gpu)
+    for gi, ranks in enumerate(par.stage_ep_groups[0]):
+        hosts = [int(cl.gpu2host[int(r2g[r])]) for r in ranks]
+        runs: list[list[int]] = []
+        for h in hosts:
+            if runs and runs[-1][0] == h:
+                runs[-1][1] += 1
+            else:
+                runs.append([h, 1])
+        if len(runs) != len({h for h, _ in runs}) or len({n for _, n in runs}) != 1:
+            shown = ", ".join(f"{cl.host_name(h)}:{n}" for h, n in runs[:6]) + (" ..." if len(runs) > 6 else "")
+            return (
+                f"sglang: EP group {gi} runs on hosts (host:consecutive EP ranks) {shown}, but SGLang gives node k "
+                "of an engine the EP ranks k*n .. k*n+n-1 (n the same on every node)"
+            )
+    return None
 
 
 def parse_sglang_expert_location(doc: dict | str, instance: Instance) -> np.ndarray:
@@ -511,6 +553,9 @@ def export_text(fmt: str, placement: Placement, instance: Instance | None) -> st
                 raise InvalidInputError(f"phy2log[{li}]: not a permutation of the {p2l.shape[1]} experts")
         return _json_text(vllm_eplb_maps(placement))
     if fmt == "sglang":
+        problem = sglang_layout_problem(instance, placement)
+        if problem:
+            raise InfeasibleError(problem)
         return _json_text(sglang_expert_location(instance, placement))
     if fmt == "vllm":
         return _json_text(vllm_eplb_maps(placement, instance))
@@ -575,8 +620,13 @@ def export_file(
         except PlacementError:
             hint = ""
         raise InvalidInputError(f"--instance: format {fmt} needs the instance file{hint}")
-    instance, placement, _ = load_for_export(placement_path, instance_path)
     out = Path(output_path)
+    if fmt == "sglang" and out.suffix != ".json":
+        raise InvalidInputError(
+            f"-o: {out}: SGLang reads --init-expert-location as a file only when the path ends in .json "
+            "(any other string is parsed as inline JSON); name the output *.json"
+        )
+    instance, placement, _ = load_for_export(placement_path, instance_path)
     files = {out: export_text(fmt, placement, instance)}
     if fmt == "slurm" and instance is not None:
         from placement.launch import launcher_path, launcher_script, torchrun_problem
