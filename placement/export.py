@@ -10,10 +10,13 @@ format     what is written                                  consumed by
 ========== ================================================ =====================================
 sglang     ``{"physical_to_logical_map": [L][P]}``, one row  ``--init-expert-location FILE.json``
            per transformer layer (dense rows trivial)
-vllm       ``physical_to_logical_map (L, P)``,               vLLM EPLB state (no loader yet)
+vllm       ``physical_to_logical_map (L, P)``,               vLLM EPLB state (vLLM has no loader:
+                                                            for inspection or a plugin)
            ``logical_to_physical_map (L, E, R+1)`` padded
            with -1, ``logical_replica_count (L, E)``; L =
            MoE layers
+vllm-      ``moe_layer_count``, ``layer_list`` of            the vllm-ascend plugin's
+ascend     ``device_list[r].device_expert``                 ``expert_map_path`` (Ascend NPUs only)
 megatron   per MoE layer the permutation ``phy2log``:       :mod:`placement.checkpoint` applied to
 torchtitan new expert slot ``p`` takes old expert              a Megatron-Core / TorchTitan state
            ``phy2log[p]``                                   dict, offline
@@ -55,6 +58,8 @@ __all__ = [
     "parse_sglang_expert_location",
     "vllm_eplb_maps",
     "parse_vllm_eplb_maps",
+    "vllm_ascend_expert_map",
+    "parse_vllm_ascend_expert_map",
     "expert_permutation",
     "parse_expert_permutation",
     "slurm_hostfile_text",
@@ -72,8 +77,10 @@ __all__ = [
     "export_file",
 ]
 
-ExportFormat = Literal["sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep", "maxtext"]
-FORMATS: tuple[ExportFormat, ...] = ("sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep", "maxtext")
+ExportFormat = Literal["sglang", "vllm", "vllm-ascend", "megatron", "torchtitan", "slurm", "hybridep", "maxtext"]
+FORMATS: tuple[ExportFormat, ...] = (
+    "sglang", "vllm", "vllm-ascend", "megatron", "torchtitan", "slurm", "hybridep", "maxtext",
+)  # fmt: skip
 # Formats that can be written from the placement file alone (no layer indices, hosts or domains).
 _WITHOUT_INSTANCE: frozenset[str] = frozenset({"vllm"})
 
@@ -260,6 +267,64 @@ def parse_vllm_eplb_maps(doc: dict | str) -> np.ndarray:
                     f"disagree with physical_to_logical_map (slots {want})"
                 )
     return p2l
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm-ascend (the Ascend NPU plugin of vLLM): expert_map_path
+# ---------------------------------------------------------------------------------------------
+def vllm_ascend_expert_map(instance: Instance, placement: Placement) -> dict:
+    """The file vllm-ascend's ``expert_map_path`` reads (``vllm_ascend/ops/expert_load_balancer.py``).
+
+    For the vllm-ascend plugin only: vLLM itself has no way to load an expert map (it computes its
+    own EPLB maps at run time).  ``ExpertLoadBalancer._expert_file_to_tensor`` reads
+    ``moe_layer_count``, ``layer_list[0]["device_count"]`` and, per layer and device, the
+    ``device_expert`` list (the experts of that EP rank, local slot order); the layer is looked up
+    by position (``moe_instance_id``: the process's MoE layers in model order) and the device by
+    the EP rank.  ``layer_id`` and ``device_id`` are written as vllm-ascend's own generator writes
+    them.  The same SGLang-like deployment rule applies (one EP group serves every layer), so the
+    layouts :func:`sglang_layout_problem` refuses are refused here too.
+
+    Returns
+    -------
+    dict
+        ``{"moe_layer_count": L, "layer_list": [{"layer_id": l, "device_count": ep, "device_list":
+        [{"device_id": r, "device_expert": [E / ep expert ids]}]}]}``.
+    """
+    problem = sglang_layout_problem(instance, placement)
+    if problem:
+        raise InfeasibleError("vllm-ascend" + problem[len("sglang"):])
+    ep, k = instance.parallel.ep, instance.experts_per_rank
+    p2l = np.asarray(placement.phy2log, dtype=np.int64)
+    return {
+        "moe_layer_count": int(p2l.shape[0]),
+        "layer_list": [
+            {
+                "layer_id": li,
+                "device_count": ep,
+                "device_list": [
+                    {"device_id": r, "device_expert": [int(x) for x in row[r * k : (r + 1) * k]]} for r in range(ep)
+                ],
+            }
+            for li, row in enumerate(p2l)
+        ],
+    }
+
+
+def parse_vllm_ascend_expert_map(doc: dict | str) -> np.ndarray:
+    """(L, P) ``phy2log`` back from a vllm-ascend expert map, read the way its loader reads it."""
+    doc = _as_doc(doc, "vllm-ascend expert map")
+    try:
+        layers = doc["layer_list"]
+        count = doc["moe_layer_count"]
+        rows = [[e for dev in layer["device_list"] for e in dev["device_expert"]] for layer in layers]
+        devices = {len(layer["device_list"]) for layer in layers} | {layers[0]["device_count"]}
+    except (KeyError, TypeError, IndexError) as exc:
+        raise InvalidInputError(f"vllm-ascend: missing or malformed field {exc}") from None
+    if count != len(layers) or len(devices) != 1:
+        raise InvalidInputError(
+            f"vllm-ascend: moe_layer_count {count} / device_count {sorted(devices)} disagree with layer_list"
+        )
+    return _int_matrix(rows, "vllm-ascend: device_expert")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,6 +624,8 @@ def export_text(fmt: str, placement: Placement, instance: Instance | None) -> st
         return _json_text(sglang_expert_location(instance, placement))
     if fmt == "vllm":
         return _json_text(vllm_eplb_maps(placement, instance))
+    if fmt == "vllm-ascend":
+        return _json_text(vllm_ascend_expert_map(instance, placement))
     if fmt in ("megatron", "torchtitan"):
         return _json_text(expert_permutation(instance, placement, fmt))
     if fmt == "slurm":

@@ -366,7 +366,7 @@ def test_cli_export_every_format_matches_the_api(tmp_path, capsys):
     p = Placement(np.arange(8), random_expert_map(rng, inst, preserving=True))
     ipath, ppath, inst = write_pair(tmp_path, inst, p)
     for fmt in ex.FORMATS:
-        if fmt == "sglang":
+        if fmt in ("sglang", "vllm-ascend"):
             continue  # pp=2: refused (test_sglang_refuses_layouts_it_cannot_run)
         out = tmp_path / f"out.{fmt}"
         assert main(["export", str(ppath), "--format", fmt, "-o", str(out), "--instance", str(ipath)]) == 0, capsys.readouterr().err
@@ -399,3 +399,45 @@ def test_cli_export_refuses_an_invalid_placement(tmp_path, capsys):
     ipath, ppath, _ = write_pair(tmp_path, inst, p)
     assert main(["export", str(ppath), "--format", "sglang", "-o", str(tmp_path / "x.json"), "--instance", str(ipath)]) == 2
     assert "runs 2 ranks" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm-ascend: expert_map_path
+# ---------------------------------------------------------------------------------------------
+def vllm_ascend_reader(doc: dict, rank_id: int, layer_id: int, num_experts: int):
+    """What vllm-ascend's ExpertLoadBalancer computes from the file (vllm_ascend/ops/expert_load_balancer.py):
+    the (layers, ranks, slots) tensor, then get_rank_placement_map: per logical expert its local slot
+    on rank_id or -1, and the rank's local expert count."""
+    tensor = np.array([[dev["device_expert"] for dev in layer["device_list"]] for layer in doc["layer_list"]])
+    assert tensor.shape[0] == doc["moe_layer_count"] and tensor.shape[1] == doc["layer_list"][0]["device_count"]
+    placement_map = np.full((tensor.shape[0], tensor.shape[1], num_experts), -1)
+    for li in range(tensor.shape[0]):
+        for r in range(tensor.shape[1]):
+            placement_map[li, r, tensor[li, r]] = np.arange(tensor.shape[2])
+    local = placement_map[layer_id, rank_id]
+    return int((local != -1).sum()), local
+
+
+def test_vllm_ascend_map_read_as_its_loader_reads_it(tmp_path):
+    inst = sglang_instance()
+    rng = np.random.default_rng(9)
+    p = Placement(default_rank2gpu(inst), random_expert_map(rng, inst, preserving=False))
+    text = ex.export_text("vllm-ascend", p, inst)
+    doc = json.loads(text)
+    k = inst.experts_per_rank
+    for li in range(inst.model.num_moe_layers):
+        for r in range(inst.parallel.ep):
+            n, local = vllm_ascend_reader(doc, r, li, inst.model.num_experts)
+            assert n == k
+            for slot in range(k):  # EP rank r's local slot j holds the placement's physical slot r*k + j
+                assert local[p.phy2log[li, r * k + slot]] == slot
+    np.testing.assert_array_equal(ex.parse_vllm_ascend_expert_map(text), p.phy2log)
+    with pytest.raises(InfeasibleError, match="vllm-ascend: pp=2"):
+        ex.vllm_ascend_expert_map(*_tiny_pair())
+
+
+def _tiny_pair():
+    from placement.formats import read_instance as _read
+
+    tiny = _read(INSTANCES / "tiny.json")
+    return tiny, default_placement(tiny)
