@@ -330,9 +330,10 @@ def export_placement(
 ) -> dict[Path, str]:
     """Check a placement file and write it, atomically, in a format a stack reads.
 
-    ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, megatron, torchtitan, slurm,
-    hybridep); every format but vllm needs the instance.  Returns ``{path: text}`` of the files
-    written (``slurm`` writes a per-host GPU file beside the host file).
+    ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, vllm-ascend, megatron,
+    torchtitan, slurm, hybridep, maxtext); every format but vllm needs the instance.  Returns
+    ``{path: text}`` of the files written (``slurm`` writes a per-host GPU file and a launcher
+    script beside the host file, and warns with ``LaunchWarning`` when torchrun cannot launch it).
 
     Raises
     ------
