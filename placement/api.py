@@ -272,6 +272,11 @@ def solve(
     _check_arguments(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
     )
+    from placement.checker import etp_violations
+
+    etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
+    if etp_problems:
+        raise InvalidInputError(etp_problems[0])
     fn = get_solver(solver)
     reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(

@@ -244,3 +244,13 @@ def test_verifier_flags_an_unsupported_etp(tiny):
     rep = verify_document(etp2, p, doc)
     assert [v for v in rep.violations if v.startswith("parallel.etp")] and rep.metrics is None
     assert "etp" in rep.checks
+
+
+def test_solve_refuses_an_unsupported_etp_built_in_memory(tiny):
+    from dataclasses import replace
+
+    import placement as api
+    from placement.model import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="parallel.etp"):
+        api.solve(replace(tiny, parallel=replace(tiny.parallel, etp=2)), solver="default", time_limit_s=5)
