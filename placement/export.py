@@ -674,9 +674,11 @@ def export_file(
 ) -> dict[Path, str]:
     """Check, convert and atomically write ``placement_path`` as ``fmt`` to ``output_path``.
 
-    ``slurm`` also writes the per-host GPU file beside the hostfile (:func:`slurm_gpus_path`).
-    Returns ``{path: text}`` of the files written.  Raises ``InvalidInputError`` (exit 2) or
-    ``InfeasibleError`` (exit 3: the stack cannot take this placement).
+    ``slurm`` also writes the per-host GPU file (:func:`slurm_gpus_path`) and the launcher script
+    (:func:`placement.launch.launcher_path`, executable) beside the hostfile, and warns with
+    :class:`LaunchWarning` when torchrun cannot launch the layout.  Returns ``{path: text}`` of the
+    files written.  Raises ``InvalidInputError`` (exit 2) or ``InfeasibleError`` (exit 3: the stack
+    cannot take this placement).
     """
     if fmt not in FORMATS:
         raise InvalidInputError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
@@ -701,9 +703,7 @@ def export_file(
         gpus = slurm_gpus_path(out)
         if gpus == out:
             raise InvalidInputError(f"-o: {out} ends in .gpus, the name of the GPU file written beside the hostfile")
-        launcher = launcher_path(out)
-        if launcher == out:
-            raise InvalidInputError(f"-o: {out} ends in .launch.sh, the name of the launcher written beside the hostfile")
+        launcher = launcher_path(out)  # never equal to out: it adds ".launch.sh" to the stem
         files[gpus] = slurm_gpus_text(instance, placement)
         files[launcher] = launcher_script(instance, np.asarray(placement.rank2gpu), out.name)
         problem = torchrun_problem(instance, np.asarray(placement.rank2gpu))
