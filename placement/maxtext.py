@@ -24,7 +24,9 @@ What MaxText does (``AI-Hypercomputer/maxtext`` @e591f30, read with the project'
   ``wi_0``, ``wi_1``, ``wo`` are ``(E, L, ...)`` (``stack_shape = (num_experts, layer_value)``),
   ``gate.kernel`` is ``(hidden, L, E)`` and ``gate.bias`` (DeepSeek's ``e_score_correction_bias``)
   ``(E, L)`` (stacked ``(L, ...)`` then transposed ``(1, 0, 2)`` / ``(1, 0)``); ``L`` counts MoE
-  layers, so MoE layer ``l`` of the model is index ``l`` on the layer axis.
+  layers, so MoE layer ``l`` of the model is index ``l`` on the layer axis.  The tree is saved as
+  ``TrainState(params={"params": jax_weights})`` (``src/maxtext/checkpoint_conversion/utils/utils.py``,
+  ``save_weights_to_checkpoint``): the paths are under ``params/params`` (``tree_root``).
 
 Processes: MaxText on GPUs runs one JAX process per host with all of its GPUs.  A process index
 is given to every host the job uses, in order of first appearance in the device order, and each
@@ -191,6 +193,8 @@ def maxtext_export(instance: Instance, placement: Placement) -> dict:
             "group_preserving": not breaks,
             "ep": instance.parallel.ep,
             "first_num_dense_layers": first_dense,
+            # TrainState(params={"params": jax_weights}) in checkpoint_conversion/utils/utils.py
+            "tree_root": "params/params",
             "tensors": [{"path": path, "expert_axis": ea, "layer_axis": la} for path, ea, la in MAXTEXT_EXPERT_TENSORS],
             "layers": {str(li): [int(x) for x in row] for li, row in enumerate(p2l)},
         },
