@@ -272,6 +272,11 @@ def solve(
     _check_arguments(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
     )
+    from placement.checker import etp_violations
+
+    etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
+    if etp_problems:
+        raise InvalidInputError(etp_problems[0])
     fn = get_solver(solver)
     reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(
@@ -330,9 +335,10 @@ def export_placement(
 ) -> dict[Path, str]:
     """Check a placement file and write it, atomically, in a format a stack reads.
 
-    ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, megatron, torchtitan, slurm,
-    hybridep); every format but vllm needs the instance.  Returns ``{path: text}`` of the files
-    written (``slurm`` writes a per-host GPU file beside the host file).
+    ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, vllm-ascend, megatron,
+    torchtitan, slurm, hybridep, maxtext); every format but vllm needs the instance.  Returns
+    ``{path: text}`` of the files written (``slurm`` writes a per-host GPU file and a launcher
+    script beside the host file, and warns with ``LaunchWarning`` when torchrun cannot launch it).
 
     Raises
     ------

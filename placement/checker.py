@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 
-from placement.model import Instance, InvalidInputError, Placement
+from placement.model import SUPPORTED_ETP, Instance, InvalidInputError, Placement
 
 __all__ = [
     "check",
@@ -19,6 +19,7 @@ __all__ = [
     "group_breaks",
     "deepep_violations",
     "tp_group_violations",
+    "etp_violations",
 ]
 
 
@@ -182,3 +183,20 @@ def tp_group_violations(instance: Instance, placement: Placement) -> list[str]:
                     f"spans NVLink domains {doms} (must stay inside one domain)"
                 )
     return out
+
+
+def etp_violations(instance: Instance) -> list[str]:
+    """The layout's expert-tensor-parallel size, when the cost model cannot represent it.
+
+    Every EP rank holds its experts whole (``etp = 1``): with ``etp > 1`` Megatron-Core builds its
+    EP groups from ranks ``etp`` apart and splits each expert over ``etp`` GPUs, which neither the
+    evaluator nor the solvers model.  Megatron defaults ``expert_tensor_parallel_size`` to ``tp``,
+    so a job must be launched with ``--expert-tensor-parallel-size 1``.
+    """
+    etp = instance.parallel.etp
+    if etp in SUPPORTED_ETP:
+        return []
+    return [
+        f"parallel.etp: expert-tensor-parallel size {etp} is not supported (only "
+        f"{', '.join(map(str, SUPPORTED_ETP))}: each expert whole on one GPU)"
+    ]

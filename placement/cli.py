@@ -227,9 +227,18 @@ def _footprint_lines(instance: Instance, result: SolveResult) -> list[str]:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from placement.export import export_file
+    import warnings
 
-    files = export_file(args.format, args.placement, args.output, args.instance)
+    from placement.export import LaunchWarning, export_file
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LaunchWarning)
+        files = export_file(args.format, args.placement, args.output, args.instance)
+    for w in caught:
+        if issubclass(w.category, LaunchWarning):
+            print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     for path, text in files.items():
         print(f"wrote {path} ({args.format}, {len(text.encode()):,} bytes)")
     return EXIT_OK

@@ -10,17 +10,25 @@ format     what is written                                  consumed by
 ========== ================================================ =====================================
 sglang     ``{"physical_to_logical_map": [L][P]}``, one row  ``--init-expert-location FILE.json``
            per transformer layer (dense rows trivial)
-vllm       ``physical_to_logical_map (L, P)``,               vLLM EPLB state (no loader yet)
+vllm       ``physical_to_logical_map (L, P)``,               vLLM EPLB state (vLLM has no loader:
+                                                            for inspection or a plugin)
            ``logical_to_physical_map (L, E, R+1)`` padded
            with -1, ``logical_replica_count (L, E)``; L =
            MoE layers
+vllm-      ``moe_layer_count``, ``layer_list`` of            the vllm-ascend plugin's
+ascend     ``device_list[r].device_expert``                 ``expert_map_path`` (Ascend NPUs only)
 megatron   per MoE layer the permutation ``phy2log``:       :mod:`placement.checkpoint` applied to
 torchtitan new expert slot ``p`` takes old expert              a Megatron-Core / TorchTitan state
            ``phy2log[p]``                                   dict, offline
 slurm      one host name per line, line ``i`` = rank ``i``  ``SLURM_HOSTFILE`` with
-           (and ``OUT.gpus``: per host CUDA_VISIBLE_DEVICES) ``srun --distribution=arbitrary``
+           (and ``OUT.gpus``: per host CUDA_VISIBLE_DEVICES, ``srun --distribution=arbitrary``
+           ``OUT.launch.sh``: :mod:`placement.launch`)       (or torchrun, where the layout allows)
 hybridep   ``sh`` file of ``export NAME=VALUE`` lines        DeepEP HybridEP / Megatron ``flex``
            (value chosen per rank when EP groups differ)
+maxtext    mesh axes and shape, the device order as         a ``jax.sharding.Mesh`` built from it;
+           (process, local device) pairs, and per MoE       the permutation applied to MaxText's
+           layer ``phy2log`` with the tensor paths and      scanned checkpoint
+           their expert / layer axes (:mod:`placement.maxtext`)
 ========== ================================================ =====================================
 """
 
@@ -30,6 +38,7 @@ import json
 import os
 import re
 import shlex
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -41,12 +50,16 @@ from placement.model import InfeasibleError, Instance, InvalidInputError, Placem
 
 __all__ = [
     "ExportFormat",
+    "LaunchWarning",
     "FORMATS",
     "PERMUTATION_DIRECTION",
     "sglang_expert_location",
+    "sglang_layout_problem",
     "parse_sglang_expert_location",
     "vllm_eplb_maps",
     "parse_vllm_eplb_maps",
+    "vllm_ascend_expert_map",
+    "parse_vllm_ascend_expert_map",
     "expert_permutation",
     "parse_expert_permutation",
     "slurm_hostfile_text",
@@ -64,8 +77,10 @@ __all__ = [
     "export_file",
 ]
 
-ExportFormat = Literal["sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep"]
-FORMATS: tuple[ExportFormat, ...] = ("sglang", "vllm", "megatron", "torchtitan", "slurm", "hybridep")
+ExportFormat = Literal["sglang", "vllm", "vllm-ascend", "megatron", "torchtitan", "slurm", "hybridep", "maxtext"]
+FORMATS: tuple[ExportFormat, ...] = (
+    "sglang", "vllm", "vllm-ascend", "megatron", "torchtitan", "slurm", "hybridep", "maxtext",
+)  # fmt: skip
 # Formats that can be written from the placement file alone (no layer indices, hosts or domains).
 _WITHOUT_INSTANCE: frozenset[str] = frozenset({"vllm"})
 
@@ -74,6 +89,12 @@ PERMUTATION_DIRECTION = (
     "weights, the router weight rows and the per-expert bias"
 )
 PERMUTATION_KIND = "placement.expert_permutation"
+
+
+class LaunchWarning(UserWarning):
+    """The export is complete, but a way of launching it will not work (e.g. torchrun for a layout
+    whose hosts hold non-contiguous ranks); the CLI prints it as one ``warning:`` line."""
+
 PERMUTATION_VERSION = 1
 
 
@@ -101,6 +122,47 @@ def sglang_expert_location(instance: Instance, placement: Placement) -> dict:
     rows = np.tile(np.arange(num_physical) % m.num_experts, (m.num_layers, 1))
     rows[list(m.moe_layers)] = p2l
     return {"physical_to_logical_map": rows.tolist()}
+
+
+def sglang_layout_problem(instance: Instance, placement: Placement) -> str | None:
+    """One line saying why SGLang's EP deployment cannot run this layout, or ``None``.
+
+    SGLang serves an EP model as one engine per EP group: ``--tp-size`` = ``--ep-size`` = ``ep``
+    (``moe_ep_rank = tp_rank // (tp_size // ep_size)``), attention data-parallel over the same
+    ranks, and all of the model's layers on those ranks.  Over several nodes, node ``k`` of an
+    engine runs tp ranks ``k*n .. k*n+n-1`` with ``n = tp_size / nnodes``
+    (``python/sglang/srt/entrypoints/engine.py``: ``tp_size_per_node``, ``tp_rank_range``; the GPU is
+    ``base_gpu_id + local * gpu_id_step`` among the visible ones).  So a layout runs under SGLang
+    when ``pp = tp = cp = 1`` and every EP group is equal consecutive runs of EP ranks, one run per
+    host.
+    """
+    par, cl = instance.parallel, instance.cluster
+    if par.pp > 1:
+        return (
+            f"sglang: pp={par.pp}: each MoE layer's map is tuned for the GPUs of its own pipeline stage, but "
+            f"SGLang's EP deployment runs every layer on one EP group of {par.ep} GPUs; export a pp=1 instance"
+        )
+    if par.tp > 1 or par.cp > 1:
+        return (
+            f"sglang: tp={par.tp} cp={par.cp}: SGLang's EP launch has one attention data-parallel rank per GPU "
+            "(--tp-size = --ep-size = ep, --enable-dp-attention) and no counterpart for the instance's TP/CP ranks"
+        )
+    r2g = np.asarray(placement.rank2gpu)
+    for gi, ranks in enumerate(par.stage_ep_groups[0]):
+        hosts = [int(cl.gpu2host[int(r2g[r])]) for r in ranks]
+        runs: list[list[int]] = []
+        for h in hosts:
+            if runs and runs[-1][0] == h:
+                runs[-1][1] += 1
+            else:
+                runs.append([h, 1])
+        if len(runs) != len({h for h, _ in runs}) or len({n for _, n in runs}) != 1:
+            shown = ", ".join(f"{cl.host_name(h)}:{n}" for h, n in runs[:6]) + (" ..." if len(runs) > 6 else "")
+            return (
+                f"sglang: EP group {gi} runs on hosts (host:consecutive EP ranks) {shown}, but SGLang gives node k "
+                "of an engine the EP ranks k*n .. k*n+n-1 (n the same on every node)"
+            )
+    return None
 
 
 def parse_sglang_expert_location(doc: dict | str, instance: Instance) -> np.ndarray:
@@ -205,6 +267,64 @@ def parse_vllm_eplb_maps(doc: dict | str) -> np.ndarray:
                     f"disagree with physical_to_logical_map (slots {want})"
                 )
     return p2l
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm-ascend (the Ascend NPU plugin of vLLM): expert_map_path
+# ---------------------------------------------------------------------------------------------
+def vllm_ascend_expert_map(instance: Instance, placement: Placement) -> dict:
+    """The file vllm-ascend's ``expert_map_path`` reads (``vllm_ascend/ops/expert_load_balancer.py``).
+
+    For the vllm-ascend plugin only: vLLM itself has no way to load an expert map (it computes its
+    own EPLB maps at run time).  ``ExpertLoadBalancer._expert_file_to_tensor`` reads
+    ``moe_layer_count``, ``layer_list[0]["device_count"]`` and, per layer and device, the
+    ``device_expert`` list (the experts of that EP rank, local slot order); the layer is looked up
+    by position (``moe_instance_id``: the process's MoE layers in model order) and the device by
+    the EP rank.  ``layer_id`` and ``device_id`` are written as vllm-ascend's own generator writes
+    them.  The same SGLang-like deployment rule applies (one EP group serves every layer), so the
+    layouts :func:`sglang_layout_problem` refuses are refused here too.
+
+    Returns
+    -------
+    dict
+        ``{"moe_layer_count": L, "layer_list": [{"layer_id": l, "device_count": ep, "device_list":
+        [{"device_id": r, "device_expert": [E / ep expert ids]}]}]}``.
+    """
+    problem = sglang_layout_problem(instance, placement)
+    if problem:
+        raise InfeasibleError("vllm-ascend" + problem[len("sglang"):])
+    ep, k = instance.parallel.ep, instance.experts_per_rank
+    p2l = np.asarray(placement.phy2log, dtype=np.int64)
+    return {
+        "moe_layer_count": int(p2l.shape[0]),
+        "layer_list": [
+            {
+                "layer_id": li,
+                "device_count": ep,
+                "device_list": [
+                    {"device_id": r, "device_expert": [int(x) for x in row[r * k : (r + 1) * k]]} for r in range(ep)
+                ],
+            }
+            for li, row in enumerate(p2l)
+        ],
+    }
+
+
+def parse_vllm_ascend_expert_map(doc: dict | str) -> np.ndarray:
+    """(L, P) ``phy2log`` back from a vllm-ascend expert map, read the way its loader reads it."""
+    doc = _as_doc(doc, "vllm-ascend expert map")
+    try:
+        layers = doc["layer_list"]
+        count = doc["moe_layer_count"]
+        rows = [[e for dev in layer["device_list"] for e in dev["device_expert"]] for layer in layers]
+        devices = {len(layer["device_list"]) for layer in layers} | {layers[0]["device_count"]}
+    except (KeyError, TypeError, IndexError) as exc:
+        raise InvalidInputError(f"vllm-ascend: missing or malformed field {exc}") from None
+    if count != len(layers) or len(devices) != 1:
+        raise InvalidInputError(
+            f"vllm-ascend: moe_layer_count {count} / device_count {sorted(devices)} disagree with layer_list"
+        )
+    return _int_matrix(rows, "vllm-ascend: device_expert")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,13 +618,22 @@ def export_text(fmt: str, placement: Placement, instance: Instance | None) -> st
                 raise InvalidInputError(f"phy2log[{li}]: not a permutation of the {p2l.shape[1]} experts")
         return _json_text(vllm_eplb_maps(placement))
     if fmt == "sglang":
+        problem = sglang_layout_problem(instance, placement)
+        if problem:
+            raise InfeasibleError(problem)
         return _json_text(sglang_expert_location(instance, placement))
     if fmt == "vllm":
         return _json_text(vllm_eplb_maps(placement, instance))
+    if fmt == "vllm-ascend":
+        return _json_text(vllm_ascend_expert_map(instance, placement))
     if fmt in ("megatron", "torchtitan"):
         return _json_text(expert_permutation(instance, placement, fmt))
     if fmt == "slurm":
         return slurm_hostfile_text(instance, placement)
+    if fmt == "maxtext":
+        from placement.maxtext import maxtext_export
+
+        return _json_text(maxtext_export(instance, placement))
     return hybridep_env_text(instance, placement)
 
 
@@ -545,9 +674,11 @@ def export_file(
 ) -> dict[Path, str]:
     """Check, convert and atomically write ``placement_path`` as ``fmt`` to ``output_path``.
 
-    ``slurm`` also writes the per-host GPU file beside the hostfile (:func:`slurm_gpus_path`).
-    Returns ``{path: text}`` of the files written.  Raises ``InvalidInputError`` (exit 2) or
-    ``InfeasibleError`` (exit 3: the stack cannot take this placement).
+    ``slurm`` also writes the per-host GPU file (:func:`slurm_gpus_path`) and the launcher script
+    (:func:`placement.launch.launcher_path`, executable) beside the hostfile, and warns with
+    :class:`LaunchWarning` when torchrun cannot launch the layout.  Returns ``{path: text}`` of the
+    files written.  Raises ``InvalidInputError`` (exit 2) or ``InfeasibleError`` (exit 3: the stack
+    cannot take this placement).
     """
     if fmt not in FORMATS:
         raise InvalidInputError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
@@ -558,20 +689,35 @@ def export_file(
         except PlacementError:
             hint = ""
         raise InvalidInputError(f"--instance: format {fmt} needs the instance file{hint}")
-    instance, placement, _ = load_for_export(placement_path, instance_path)
     out = Path(output_path)
+    if fmt == "sglang" and out.suffix != ".json":
+        raise InvalidInputError(
+            f"-o: {out}: SGLang reads --init-expert-location as a file only when the path ends in .json "
+            "(any other string is parsed as inline JSON); name the output *.json"
+        )
+    instance, placement, _ = load_for_export(placement_path, instance_path)
     files = {out: export_text(fmt, placement, instance)}
     if fmt == "slurm" and instance is not None:
+        from placement.launch import launcher_path, launcher_script, torchrun_problem
+
         gpus = slurm_gpus_path(out)
         if gpus == out:
             raise InvalidInputError(f"-o: {out} ends in .gpus, the name of the GPU file written beside the hostfile")
+        launcher = launcher_path(out)  # never equal to out: it adds ".launch.sh" to the stem
         files[gpus] = slurm_gpus_text(instance, placement)
+        files[launcher] = launcher_script(instance, np.asarray(placement.rank2gpu), out.name)
+        problem = torchrun_problem(instance, np.asarray(placement.rank2gpu))
+        if problem is not None:
+            warnings.warn(f"slurm: torchrun cannot launch this layout ({problem}); use the launcher's srun mode",
+                          LaunchWarning, stacklevel=2)
     if out.is_dir():
         raise InvalidInputError(f"-o: {out} is a directory")
     if not out.parent.exists():
         raise InvalidInputError(f"-o: folder {out.parent} does not exist")
     for path, text in files.items():
         atomic_write_text(path, text)
+        if path.name.endswith(".launch.sh"):
+            path.chmod(path.stat().st_mode | ((path.stat().st_mode & 0o444) >> 2))  # executable where readable
     return files
 
 

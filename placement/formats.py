@@ -32,6 +32,7 @@ from placement.model import (
     ParallelLayout,
     Placement,
     Routing,
+    SUPPORTED_ETP,
 )
 from placement.schema import Any_, Bool, Int, List, Num, Obj, Str, to_json_schema, validate
 
@@ -98,7 +99,7 @@ INSTANCE_SPEC = Obj(
             },
         ),
         "parallel": Obj(
-            "Megatron-Core parallel layout (expert tensor parallel 1).",
+            "Megatron-Core parallel layout (expert tensor parallel etp, 1).",
             {
                 "tp": Int("Tensor-parallel size.", 1, 1_000_000),
                 "cp": Int("Context-parallel size.", 1, 1_000_000),
@@ -114,11 +115,17 @@ INSTANCE_SPEC = Obj(
                 "expert_slots_per_rank": Int(
                     "Expert slots each EP rank holds; slots * ep must equal num_experts.", 1, 1_000_000
                 ),
+                "etp": Int(
+                    "Expert-tensor-parallel size (Megatron's --expert-tensor-parallel-size, which defaults "
+                    "to tp); absent means 1, the only value supported.",
+                    1,
+                    1_000_000,
+                ),
                 "seq_len": Int("Tokens per sequence.", 1, MAX_INT, "tokens"),
                 "micro_batch": Int("Sequences per micro-batch.", 1, MAX_INT, "sequences"),
                 "global_batch": Int("Sequences per optimizer step.", 1, MAX_INT, "sequences"),
             },
-            optional=frozenset({"expert_slots_per_rank"}),
+            optional=frozenset({"expert_slots_per_rank", "etp"}),
         ),
         "cluster": Obj(
             "NVLink domains (racks) of trays (hosts) of GPUs.",
@@ -360,6 +367,13 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
             "parallel.expert_slots_per_rank" if "expert_slots_per_rank" in p else "parallel.ep",
             f"{p['ep']} EP ranks x {slots} slots != {E} experts (redundant slots are not supported)",
         )
+    if p.get("etp", 1) not in SUPPORTED_ETP:
+        raise _fail(
+            where,
+            "parallel.etp",
+            f"expert-tensor-parallel size {p['etp']} is not supported (only {', '.join(map(str, SUPPORTED_ETP))}: "
+            "each expert whole on one GPU); launch Megatron with --expert-tensor-parallel-size 1",
+        )
     if len(p["stage_layers"]) != p["pp"]:
         raise _fail(where, "parallel.stage_layers", f"expected {p['pp']} stages (pp), found {len(p['stage_layers'])}")
     seen = sorted(x for st in p["stage_layers"] for x in st)
@@ -575,6 +589,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
         seq_len=p["seq_len"],
         micro_batch=p["micro_batch"],
         global_batch=p["global_batch"],
+        etp=p.get("etp", 1),
     )
     n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
     available = np.ones(n_gpus, dtype=bool)
@@ -648,6 +663,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             "seq_len": p.seq_len,
             "micro_batch": p.micro_batch,
             "global_batch": p.global_batch,
+            **({"etp": p.etp} if p.etp != 1 else {}),  # absent means 1 (keeps older files byte for byte)
         },
         "cluster": {
             "num_domains": c.num_domains,

@@ -5,10 +5,12 @@ Slurm starts each task.  With ``srun --distribution=arbitrary`` Slurm starts tas
 named on line ``i`` of the file that ``SLURM_HOSTFILE`` points to, so the hostfile below, one host
 per rank line, puts every global rank on the right tray (host)::
 
-    placement export --format slurm PLACEMENT -o job.hosts        # writes the hostfile
+    placement export --format slurm PLACEMENT -o job.hosts   # job.hosts, job.gpus, job.launch.sh
     export SLURM_HOSTFILE=$PWD/job.hosts
-    srun --ntasks=$WORLD --distribution=arbitrary --gpu-bind=none \\
-         bash -c 'export CUDA_VISIBLE_DEVICES=$(awk -v h=$(hostname) "\\$1==h {print \\$2}" job.gpus); exec python train.py ...'
+    srun --ntasks=$WORLD --distribution=arbitrary --gpu-bind=none ./job.launch.sh srun python train.py ...
+
+(the launcher, :mod:`placement.launch`, sets every rank's ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``CUDA_VISIBLE_DEVICES``)
 
 (``--ntasks`` must equal the number of lines; ``--nodes`` the number of distinct hosts.)
 

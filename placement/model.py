@@ -34,8 +34,11 @@ Index conventions
 - GPU id: ``(domain * trays_per_domain + tray) * gpus_per_tray + local``, over every GPU of the
   cluster, available or not.
 - Global rank: Megatron-Core's ``RankGenerator`` for the order string (first name fastest).  The
-  expert layout uses the expert order (``cp`` removed, ``tp`` read as expert-tensor-parallel 1), so
-  with ``etp = 1`` every EP group is ``ep`` consecutive ranks inside one pipeline stage.
+  expert layout uses the expert order (``cp`` removed, ``tp`` read as expert-tensor-parallel
+  ``etp``), so with ``etp = 1`` every EP group is ``ep`` consecutive ranks inside one pipeline
+  stage.  ``etp = 1`` is the only value supported (:data:`SUPPORTED_ETP`); Megatron-Core defaults
+  ``expert_tensor_parallel_size`` to ``tp``, so launches must pass ``--expert-tensor-parallel-size 1``
+  (the Slurm launcher that :mod:`placement.launch` writes does).
 - Physical expert slot ``p`` of a layer lives on EP rank ``p // (num_experts // ep)``
   (contiguous blocks, as Megatron, TorchTitan and SGLang lay them out).
 """
@@ -53,6 +56,7 @@ __all__ = [
     "COST_MODES",
     "MoEModel",
     "ParallelLayout",
+    "SUPPORTED_ETP",
     "Cluster",
     "Routing",
     "Instance",
@@ -158,6 +162,10 @@ class MoEModel:
         return self.dispatch_bytes_per_token + self.combine_bytes_per_token
 
 
+# Expert-tensor-parallel sizes the cost model and the solvers handle: each expert whole on one GPU.
+SUPPORTED_ETP: tuple[int, ...] = (1,)
+
+
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -165,8 +173,10 @@ class ParallelLayout:
 
     ``dp`` is the data-parallel size of the dense part, so the world is ``tp * cp * dp * pp``.
     Expert parallelism splits the ``tp * cp * dp`` ranks of a stage into EP groups of ``ep``
-    consecutive ranks (expert tensor parallel 1); ``stage_layers[s]`` lists the layer indices that
-    pipeline stage ``s`` holds.
+    consecutive ranks (expert tensor parallel ``etp = 1``); ``stage_layers[s]`` lists the layer
+    indices that pipeline stage ``s`` holds.  ``etp`` (Megatron's ``expert_tensor_parallel_size``)
+    is stored so that it can be checked and launched with: only :data:`SUPPORTED_ETP` is modelled
+    (:func:`placement.checker.etp_violations`).
     """
 
     tp: int
@@ -179,6 +189,7 @@ class ParallelLayout:
     seq_len: int  # tokens per sequence
     micro_batch: int  # sequences per micro-batch
     global_batch: int  # sequences per optimizer step
+    etp: int = 1  # expert-tensor-parallel size (Megatron defaults it to tp; only 1 is modelled)
 
     @property
     def world_size(self) -> int:

@@ -9,6 +9,7 @@ Checks, each reported with a message that names it:
 - ``instance``: the placement names this instance (name and SHA-256 of its files);
 - ``structure``: every rank exactly once on an existing, available GPU; every expert placed once
   per MoE layer; the slots per layer (``ep x`` slots per rank) respected;
+- ``etp``: the layout's expert-tensor-parallel size is one the cost model represents (1);
 - ``tp``: TP (and TP x CP) groups where their traffic can go (:func:`placement.checker.tp_group_violations`);
 - ``deepep``: when the file declares ``consumer`` ``deepep`` or ``hybridep``, the equal
   consecutive slices per NVLink domain rule;
@@ -24,7 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from placement.checker import check, deepep_violations, tp_group_violations, violates_group_preservation
+from placement.checker import (
+    check,
+    deepep_violations,
+    etp_violations,
+    tp_group_violations,
+    violates_group_preservation,
+)
 from placement.cost import report
 from placement.formats import read_instance, read_placement
 from placement.model import Instance, Placement
@@ -74,6 +81,11 @@ def verify_document(instance: Instance, placement: Placement, doc: dict) -> Veri
     checks.append("structure")
     structural = check(instance, placement)
     violations += structural
+
+    checks.append("etp")
+    etp_problems = etp_violations(instance)
+    violations += etp_problems
+    structural = structural + etp_problems  # the evaluator assumes etp = 1: no metrics otherwise
 
     checks.append("tp")
     violations += tp_group_violations(instance, placement)

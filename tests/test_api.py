@@ -211,9 +211,9 @@ def test_verify_and_export_through_the_api(tiny, tmp_path):
     placement.save_result(tiny, result, tmp_path / "p.json")
     rep = placement.verify_placement(TINY, tmp_path / "p.json")
     assert rep.violations == [] and rep.checks
-    placement.export_placement("sglang", tmp_path / "p.json", tmp_path / "sglang.json", TINY)
-    rows = json.loads((tmp_path / "sglang.json").read_text())["physical_to_logical_map"]
-    assert len(rows) == tiny.model.num_layers
+    placement.export_placement("megatron", tmp_path / "p.json", tmp_path / "perm.json", TINY)
+    layers = json.loads((tmp_path / "perm.json").read_text())["layers"]
+    assert len(layers) == tiny.model.num_moe_layers
     with pytest.raises(placement.InvalidInputError):
         placement.verify_placement(TINY, tmp_path / "missing.json")
 

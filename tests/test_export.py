@@ -47,19 +47,71 @@ def write_pair(tmp_path, inst, placement: Placement, **doc_kw):
 # ---------------------------------------------------------------------------------------------
 # SGLang
 # ---------------------------------------------------------------------------------------------
-def test_sglang_round_trip_and_shape(tiny):
+def sglang_instance():
+    """pp=1, one dense layer then three MoE layers; 8 ranks = two EP groups of 4 on 4 hosts of 2 GPUs."""
+    from dataclasses import replace
+
+    inst = random_instance(np.random.default_rng(4), ep=4, dp=8, pp=1, num_domains=2, trays_per_domain=2, gpus_per_tray=2)
+    model = replace(inst.model, num_layers=4, moe_layers=(1, 2, 3))
+    return replace(inst, model=model, parallel=replace(inst.parallel, stage_layers=((0, 1, 2, 3),)))
+
+
+def test_sglang_round_trip_and_shape():
+    inst = sglang_instance()
     rng = np.random.default_rng(1)
     for _ in range(5):
-        p = Placement(default_rank2gpu(tiny), random_expert_map(rng, tiny, preserving=False))
-        text = ex.export_text("sglang", p, tiny)
+        p = Placement(default_rank2gpu(inst), random_expert_map(rng, inst, preserving=False))
+        text = ex.export_text("sglang", p, inst)
         doc = json.loads(text)
         # exactly one key: SGLang calls init_by_mapping(server_args, model_config, **doc)
         assert list(doc) == ["physical_to_logical_map"]
         rows = np.array(doc["physical_to_logical_map"])
-        assert rows.shape == (tiny.model.num_layers, tiny.model.num_experts)  # all layers, dense included
-        dense = [i for i in range(tiny.model.num_layers) if i not in tiny.model.moe_layers]
-        assert dense and all((rows[i] == np.arange(tiny.model.num_experts)).all() for i in dense)
-        np.testing.assert_array_equal(ex.parse_sglang_expert_location(text, tiny), p.phy2log)
+        assert rows.shape == (inst.model.num_layers, inst.model.num_experts)  # all layers, dense included
+        dense = [i for i in range(inst.model.num_layers) if i not in inst.model.moe_layers]
+        assert dense and all((rows[i] == np.arange(inst.model.num_experts)).all() for i in dense)
+        np.testing.assert_array_equal(ex.parse_sglang_expert_location(text, inst), p.phy2log)
+
+
+def brute_force_sglang_runs(inst, r2g) -> bool:
+    """SGLang's multi-node engine: node k runs EP ranks k*n .. k*n+n-1, one node per host."""
+    cl = inst.cluster
+    for ranks in inst.parallel.stage_ep_groups[0]:
+        hosts = [int(cl.gpu2host[r2g[r]]) for r in ranks]
+        ok = False
+        for nodes in range(1, len(hosts) + 1):
+            if len(hosts) % nodes:
+                continue
+            n = len(hosts) // nodes
+            blocks = [hosts[k * n : (k + 1) * n] for k in range(nodes)]
+            if all(len(set(b)) == 1 for b in blocks) and len({b[0] for b in blocks}) == nodes:
+                ok = True
+        if not ok:
+            return False
+    return True
+
+
+def test_sglang_refuses_layouts_it_cannot_run(tmp_path, tiny, capsys):
+    inst = sglang_instance()
+    rng = np.random.default_rng(3)
+    seen = set()
+    for _ in range(60):
+        r2g = rng.permutation(inst.cluster.num_gpus)[: inst.parallel.world_size]
+        p = Placement(r2g, np.tile(np.arange(8), (3, 1)))
+        runs = brute_force_sglang_runs(inst, r2g)
+        seen.add(runs)
+        assert (ex.sglang_layout_problem(inst, p) is None) == runs
+    assert seen == {True, False}
+    # pipeline parallel (tiny: pp=2): refused with exit 3 and one line, nothing written
+    ppath = tmp_path / "p.json"
+    write_placement(ppath, placement_document(tiny, default_placement(tiny), solver="default"))
+    out = tmp_path / "sglang.json"
+    assert main(["export", str(ppath), "--format", "sglang", "-o", str(out), "--instance", str(INSTANCES / "tiny.json")]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pp=2" in err and not out.exists()
+    # SGLang reads a path as a file only when it ends in .json
+    assert main(["export", str(ppath), "--format", "sglang", "-o", str(tmp_path / "map.txt"), "--instance", str(INSTANCES / "tiny.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-o" in err and ".json" in err
 
 
 def test_sglang_reader_rejects_what_sglang_would_not_take(tiny):
@@ -314,6 +366,8 @@ def test_cli_export_every_format_matches_the_api(tmp_path, capsys):
     p = Placement(np.arange(8), random_expert_map(rng, inst, preserving=True))
     ipath, ppath, inst = write_pair(tmp_path, inst, p)
     for fmt in ex.FORMATS:
+        if fmt in ("sglang", "vllm-ascend"):
+            continue  # pp=2: refused (test_sglang_refuses_layouts_it_cannot_run)
         out = tmp_path / f"out.{fmt}"
         assert main(["export", str(ppath), "--format", fmt, "-o", str(out), "--instance", str(ipath)]) == 0, capsys.readouterr().err
         assert out.read_text() == ex.export_text(fmt, p, inst)
@@ -330,7 +384,7 @@ def test_cli_export_exit_codes(tmp_path, capsys):
     assert err.count("\n") == 1 and "equal consecutive slices" in err and not out.exists()
 
     # an instance that is not the one the placement was solved for
-    assert main(["export", str(ppath), "--format", "sglang", "-o", str(out), "--instance", str(INSTANCES / "tiny.json")]) == 2
+    assert main(["export", str(ppath), "--format", "sglang", "-o", str(tmp_path / "s.json"), "--instance", str(INSTANCES / "tiny.json")]) == 2
     assert "instance.sha256" in capsys.readouterr().err
     # formats that need the instance say so
     assert main(["export", str(ppath), "--format", "megatron", "-o", str(out)]) == 2
@@ -343,5 +397,47 @@ def test_cli_export_refuses_an_invalid_placement(tmp_path, capsys):
     inst = hybrid_instance()
     p = Placement(np.array([0, 0, 1, 2, 3, 4, 5, 6]), np.tile(np.arange(8), (3, 1)))
     ipath, ppath, _ = write_pair(tmp_path, inst, p)
-    assert main(["export", str(ppath), "--format", "sglang", "-o", str(tmp_path / "x"), "--instance", str(ipath)]) == 2
+    assert main(["export", str(ppath), "--format", "sglang", "-o", str(tmp_path / "x.json"), "--instance", str(ipath)]) == 2
     assert "runs 2 ranks" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm-ascend: expert_map_path
+# ---------------------------------------------------------------------------------------------
+def vllm_ascend_reader(doc: dict, rank_id: int, layer_id: int, num_experts: int):
+    """What vllm-ascend's ExpertLoadBalancer computes from the file (vllm_ascend/ops/expert_load_balancer.py):
+    the (layers, ranks, slots) tensor, then get_rank_placement_map: per logical expert its local slot
+    on rank_id or -1, and the rank's local expert count."""
+    tensor = np.array([[dev["device_expert"] for dev in layer["device_list"]] for layer in doc["layer_list"]])
+    assert tensor.shape[0] == doc["moe_layer_count"] and tensor.shape[1] == doc["layer_list"][0]["device_count"]
+    placement_map = np.full((tensor.shape[0], tensor.shape[1], num_experts), -1)
+    for li in range(tensor.shape[0]):
+        for r in range(tensor.shape[1]):
+            placement_map[li, r, tensor[li, r]] = np.arange(tensor.shape[2])
+    local = placement_map[layer_id, rank_id]
+    return int((local != -1).sum()), local
+
+
+def test_vllm_ascend_map_read_as_its_loader_reads_it(tmp_path):
+    inst = sglang_instance()
+    rng = np.random.default_rng(9)
+    p = Placement(default_rank2gpu(inst), random_expert_map(rng, inst, preserving=False))
+    text = ex.export_text("vllm-ascend", p, inst)
+    doc = json.loads(text)
+    k = inst.experts_per_rank
+    for li in range(inst.model.num_moe_layers):
+        for r in range(inst.parallel.ep):
+            n, local = vllm_ascend_reader(doc, r, li, inst.model.num_experts)
+            assert n == k
+            for slot in range(k):  # EP rank r's local slot j holds the placement's physical slot r*k + j
+                assert local[p.phy2log[li, r * k + slot]] == slot
+    np.testing.assert_array_equal(ex.parse_vllm_ascend_expert_map(text), p.phy2log)
+    with pytest.raises(InfeasibleError, match="vllm-ascend: pp=2"):
+        ex.vllm_ascend_expert_map(*_tiny_pair())
+
+
+def _tiny_pair():
+    from placement.formats import read_instance as _read
+
+    tiny = _read(INSTANCES / "tiny.json")
+    return tiny, default_placement(tiny)

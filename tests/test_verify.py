@@ -40,7 +40,7 @@ def test_valid_placement_passes(valid):
     inst, p, doc = valid
     rep = verify_document(inst, p, doc)
     assert rep.valid and rep.violations == []
-    assert rep.checks == ["instance", "structure", "tp", "groups", "metrics"]
+    assert rep.checks == ["instance", "structure", "etp", "tp", "groups", "metrics"]
     assert rep.metrics["cross_domain_bytes_per_step"] == doc["metrics"]["cross_domain_bytes_per_step"]
 
 
