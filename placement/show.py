@@ -233,7 +233,13 @@ def rack_map_figure(
     window_name = "held-out" if rm.window == "heldout" else "sampled"
 
     # Geometry in cell units (one GPU cell is one unit), then inches per unit.
-    gap_x, header_h, gap_y = 1.3, (1.6 if gpt >= 4 else 2.2), 0.8
+    # Each straddling EP group is also named under the panel of the domain with its largest part.
+    footers: dict[int, list[Straddler]] = {}
+    for x in rm.straddlers:
+        footers.setdefault(x.footprint[0][0], []).append(x)
+    footer_line = 0.62
+    gap_x, header_h = 1.3, (1.6 if gpt >= 4 else 2.2)
+    gap_y = 0.8 + footer_line * max((len(v) for v in footers.values()), default=0)
     panel_w, panel_h = gpt + gap_x, tpd + header_h + gap_y
     cols = _panel_columns(nd, panel_w, panel_h)
     grid_w, grid_h = _grid(nd, panel_w, panel_h, cols)
@@ -330,6 +336,11 @@ def rack_map_figure(
         facts += [f"{n} {what}" for n, what in (((states == IDLE).sum(), "idle"), ((states == UNAVAILABLE).sum(), "down")) if n]
         ax.text(x0 + gpt / 2, y0 - 0.25, f"domain {d}\n" + (", " if gpt >= 4 else "\n").join(facts),
                 ha="center", va="bottom", fontsize=small_pt, linespacing=1.1)
+        for i, x in enumerate(footers.get(d, [])):
+            name = f"s{x.stage}" + (f".{x.group}" if ngroups > 1 else "")
+            ax.text(x0 + gpt / 2, y0 + tpd + 0.15 + i * footer_line, f"{name}: {_bytes_text(x.cross_domain_bytes_per_step)}",
+                    ha="center", va="top", fontsize=small_pt * 0.9, color="black", fontweight="bold").set_gid(
+                        f"straddler-note-{x.stage}-{x.group}")
         if c == 0:
             for t in range(tpd):
                 ax.text(x0 - 0.2, y0 + t + 0.5, str(t), ha="right", va="center", fontsize=small_pt * 0.8, color="#555555")

@@ -149,6 +149,8 @@ def check_figure(fig, exp: dict, inst: Instance, pl: Placement, window: str = "h
     lines = {t.get_gid(): t.get_text() for ax in fig.axes for t in ax.texts if str(t.get_gid()).startswith("straddler-")}
     listed = {tuple(int(x) for x in gid.split("-")[1:]) for gid in lines if re.fullmatch(r"straddler-\d+-\d+", gid)}
     assert listed == exp["straddling"]
+    notes = {tuple(int(x) for x in gid.split("-")[2:]) for gid in lines if gid.startswith("straddler-note-")}
+    assert notes == exp["straddling"]  # each also named under a panel
     for s, g in listed:
         value = per_group[s][g]
         assert value > 0
