@@ -5,8 +5,9 @@ as columns, so the picture reads like the racks themselves.  Each GPU that runs 
 by its pipeline stage and labelled with the stage index (``stage.group`` when a stage has more
 than one EP group, whose index also sets the cell's hatch); idle GPUs (free but unused) are white
 with a dashed edge, unavailable ones dark grey and crossed.  Cells of an EP group that straddles
-domains have a thick black edge, and a table under the panels gives each such group's GPUs per
-domain and its cross-domain bytes per optimizer step.  The title and the table take every number
+domains have a thick black edge; each such group is named, with its cross-domain bytes per
+optimizer step, under the panel of the domain that holds its largest part, and a table under the
+panels gives its GPUs per domain and its bytes again.  The title and the table take every number
 from the evaluator (:func:`placement.cost.evaluate`, its ``cross_domain_bytes_per_ep_group``) on
 the held-out window when the instance has one (else the sampled window, and the title says so).
 
@@ -55,6 +56,9 @@ IDLE = -1  # gpu2stage value of a free GPU that runs no rank
 UNAVAILABLE = -2  # gpu2stage value of a GPU that is down
 SUFFIXES = (".png", ".svg")
 MAX_TABLE_ROWS = 24  # straddling EP groups listed one per line; the rest summed in one line
+_MAX_FOOTPRINT = 10  # domains named per table line
+_MAX_NOTES = 3  # straddling EP groups named under one panel
+_LEGEND_ROWS = 26  # legend entries per column
 _CELL_MAX_IN = 0.3  # inches per GPU cell, at most
 _CELL_MIN_IN = 0.06
 _MAX_WIDTH_IN = 15.0  # the rack panels, not counting the legend
@@ -109,6 +113,8 @@ def rack_map(instance: Instance, placement: Placement, window: Window | None = N
     """
     if window is None:
         window = "heldout" if instance.routing.heldout_topk is not None else "sampled"
+    if window not in ("heldout", "sampled"):
+        raise InvalidInputError(f"window: expected 'heldout' or 'sampled', found {window!r}")
     par, cl = instance.parallel, instance.cluster
     gpu2stage = np.where(cl.available, IDLE, UNAVAILABLE).astype(np.int64)
     gpu2group = np.full(cl.num_gpus, -1, dtype=np.int64)
@@ -215,7 +221,8 @@ def rack_map_figure(
         One axes holding the panels and the table of straddling EP groups, a figure legend and a
         title.  GPU cells are drawn by patch collections with gids ``"gpus-unavailable"``,
         ``"gpus-idle"`` and ``"gpus-group-<g>"`` (one per hatch), every cell with its own face
-        colour; table lines have gids ``"straddler-<stage>-<group>"``.
+        colour; table lines have gids ``"straddler-<stage>-<group>"``, the notes under the panels
+        ``"straddler-note-<stage>-<group>"``.
     """
     from matplotlib.collections import Collection, PatchCollection
     from matplotlib.figure import Figure
@@ -239,7 +246,7 @@ def rack_map_figure(
         footers.setdefault(x.footprint[0][0], []).append(x)
     footer_line = 0.62
     gap_x, header_h = 1.3, (1.6 if gpt >= 4 else 2.2)
-    gap_y = 0.8 + footer_line * max((len(v) for v in footers.values()), default=0)
+    gap_y = 0.8 + footer_line * min(_MAX_NOTES, max((len(v) for v in footers.values()), default=0))
     panel_w, panel_h = gpt + gap_x, tpd + header_h + gap_y
     cols = _panel_columns(nd, panel_w, panel_h)
     grid_w, grid_h = _grid(nd, panel_w, panel_h, cols)
@@ -284,7 +291,9 @@ def rack_map_figure(
         gids.append("straddler-none")
     for x in rm.straddlers[:MAX_TABLE_ROWS]:
         name = f"stage {x.stage}" + (f" group {x.group}" if ngroups > 1 else "")
-        foot = " + ".join(f"d{d}:{n}" for d, n in x.footprint)
+        foot = " + ".join(f"d{d}:{n}" for d, n in x.footprint[:_MAX_FOOTPRINT])
+        if len(x.footprint) > _MAX_FOOTPRINT:
+            foot += f" + {len(x.footprint) - _MAX_FOOTPRINT} more"
         table.append(f"  {name:<16} {_bytes_text(x.cross_domain_bytes_per_step):>10}   "
                      f"{len(x.footprint)} domains (domain:GPUs) {foot}")
         gids.append(f"straddler-{x.stage}-{x.group}")
@@ -303,8 +312,9 @@ def rack_map_figure(
     pad_in, legend_pt, table_pt, title_pt = 0.2, 8.5, _TABLE_PT, 10.0
     title_w = max(width_in(t, title_pt) for t in title)
     title_h = len(title) * title_pt * 1.45 / 72 + 0.15
-    legend_w = 0.5 + max(width_in(h.get_label(), legend_pt) for h in handles)
-    legend_h = (len(handles) + 1) * legend_pt * 1.75 / 72 + 0.2
+    legend_cols = math.ceil(len(handles) / _LEGEND_ROWS)
+    legend_w = legend_cols * (0.5 + max(width_in(h.get_label(), legend_pt) for h in handles))
+    legend_h = (math.ceil(len(handles) / legend_cols) + 1) * legend_pt * 1.75 / 72 + 0.2
     table_w = max(width_in(t, table_pt, "DejaVu Sans Mono") for t in table)
     line_in = table_pt * 1.5 / 72
     panels_w, panels_h = grid_w * cell_in, grid_h * cell_in
@@ -319,7 +329,7 @@ def rack_map_figure(
     ax.axis("off")
     fig.text(pad_in / fig_w, 1 - pad_in / fig_h, "\n".join(title), ha="left", va="top", fontsize=title_pt,
              linespacing=1.45)
-    legend = fig.legend(handles=handles, loc="upper left", fontsize=legend_pt, frameon=False, handlelength=1.4,
+    legend = fig.legend(handles=handles, loc="upper left", ncols=legend_cols, fontsize=legend_pt, frameon=False, handlelength=1.4,
                         handleheight=1.1, borderaxespad=0.0, title="GPU colour = pipeline stage", title_fontsize=9,
                         alignment="left",
                         bbox_to_anchor=((pad_in + panels_w + 0.2) / fig_w, 1 - (pad_in + title_h) / fig_h))
@@ -336,9 +346,11 @@ def rack_map_figure(
         facts += [f"{n} {what}" for n, what in (((states == IDLE).sum(), "idle"), ((states == UNAVAILABLE).sum(), "down")) if n]
         ax.text(x0 + gpt / 2, y0 - 0.25, f"domain {d}\n" + (", " if gpt >= 4 else "\n").join(facts),
                 ha="center", va="bottom", fontsize=small_pt, linespacing=1.1)
-        for i, x in enumerate(footers.get(d, [])):
+        notes = footers.get(d, [])
+        for i, x in enumerate(notes[:_MAX_NOTES]):
             name = f"s{x.stage}" + (f".{x.group}" if ngroups > 1 else "")
-            ax.text(x0 + gpt / 2, y0 + tpd + 0.15 + i * footer_line, f"{name}: {_bytes_text(x.cross_domain_bytes_per_step)}",
+            more = f" (+{len(notes) - _MAX_NOTES} in the table)" if i == _MAX_NOTES - 1 and len(notes) > _MAX_NOTES else ""
+            ax.text(x0 + gpt / 2, y0 + tpd + 0.15 + i * footer_line, f"{name}: {_bytes_text(x.cross_domain_bytes_per_step)}{more}",
                     ha="center", va="top", fontsize=small_pt * 0.9, color="black", fontweight="bold").set_gid(
                         f"straddler-note-{x.stage}-{x.group}")
         if c == 0:

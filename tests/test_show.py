@@ -150,7 +150,9 @@ def check_figure(fig, exp: dict, inst: Instance, pl: Placement, window: str = "h
     listed = {tuple(int(x) for x in gid.split("-")[1:]) for gid in lines if re.fullmatch(r"straddler-\d+-\d+", gid)}
     assert listed == exp["straddling"]
     notes = {tuple(int(x) for x in gid.split("-")[2:]) for gid in lines if gid.startswith("straddler-note-")}
-    assert notes == exp["straddling"]  # each also named under a panel
+    assert notes <= exp["straddling"]  # named under the panel of its largest part (at most 3 per panel)
+    if len(exp["straddling"]) <= 3:
+        assert notes == exp["straddling"]
     for s, g in listed:
         value = per_group[s][g]
         assert value > 0
