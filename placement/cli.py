@@ -260,6 +260,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_show(args: argparse.Namespace) -> int:
+    from placement.show import show_files
+
+    out = show_files(args.placement, args.instance, args.output, window=args.window)
+    print(f"wrote {out} (rack map, {out.stat().st_size:,} bytes)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
     from placement.api import DEFAULT_SOLVER
@@ -300,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify", help="check a placement file against its instance; exit 2 listing every violation")
     ve.add_argument("instance", help="instance JSON file")
     ve.add_argument("placement", help="placement file")
+
+    sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")
+    sh.add_argument("placement", help="placement file, or 'default' (the default layout; needs -o)")
+    sh.add_argument("--instance", help="the instance file the placement was solved for (required)")
+    sh.add_argument("-o", "--output", help="map.png or map.svg, written atomically (default: the placement file with .png)")
+    sh.add_argument("--window", default=None, choices=("heldout", "sampled"),
+                    help="tokens the bytes are computed on (default heldout)")
     return parser
 
 
@@ -350,6 +365,8 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
             return _cmd_export(args)
         if args.command == "verify":
             return _cmd_verify(args)
+        if args.command == "show":
+            return _cmd_show(args)
         raise InvalidInputError(f"unknown command {args.command!r}")  # pragma: no cover
     except PlacementError as exc:
         print(f"placement: error: {_one_line(str(exc))}", file=sys.stderr)

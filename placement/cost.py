@@ -68,6 +68,9 @@ class Metrics:
     max_gpu_cross_domain_bytes_per_layer: list[float]  # (num_moe_layers,)
     expert_load_max_over_mean_per_layer: list[float]  # (num_moe_layers,)
     alltoall_time_s_per_stage: list[float]  # (pp,)
+    # (pp, ep_groups_per_stage): bytes of the tokens each EP group's ranks send; rows sum to
+    # cross_domain_bytes_per_stage
+    cross_domain_bytes_per_ep_group: list[list[float]]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -278,6 +281,11 @@ def evaluate(
     cross_per_layer = crossings_per_token.sum(axis=(1, 2)) * weight * fabric_copy
     intra_per_layer = nvl.sum(axis=1) * 2.0  # each NVLink copy counted like a fabric copy
     cross_per_stage = np.bincount(layer_stage, weights=cross_per_layer, minlength=par.pp)
+    # The same crossings, by the (stage, EP group) of the rank that sends each token.
+    stage_group = layer_stage[:, None, None] * ngroups + src_group  # (L, dp, T)
+    cross_per_group = np.bincount(
+        stage_group.reshape(-1), weights=crossings_per_token.astype(np.float64).reshape(-1), minlength=par.pp * ngroups
+    ).reshape(par.pp, ngroups) * (weight * fabric_copy)
 
     # Expert load: (token, expert) pairs per GPU, max over mean within each EP group.
     load = np.zeros((num_layers, ngpu), dtype=np.float64)
@@ -308,6 +316,7 @@ def evaluate(
         max_gpu_cross_domain_bytes_per_layer=[float(x) for x in max_nic_layer],
         expert_load_max_over_mean_per_layer=[float(x) for x in lmm],
         alltoall_time_s_per_stage=[float(x) for x in stage_time],
+        cross_domain_bytes_per_ep_group=[[float(x) for x in row] for row in cross_per_group],
     )
 
 

@@ -17,6 +17,7 @@ STABLE_KEYS = [
     "cross_domain_bytes_per_layer",
     "cross_domain_bytes_per_stage",
     "alltoall_time_s_per_stage",
+    "cross_domain_bytes_per_ep_group",
 ]
 
 

@@ -25,6 +25,7 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
     nvl = {}
     load = {}
     cross = [0.0] * L
+    cross_group = np.zeros((par.pp, par.ranks_per_stage // par.ep))
     remote_doms = 0
     remote_pairs = 0
     coords = par.rank_coords
@@ -38,7 +39,8 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
             senders = [r for r in stage_ranks if coords["dp"][r] == j]
             for t in range(T):
                 src = senders[t % len(senders)]
-                group = next(g for g in groups if src in g)
+                gi = next(i for i, g in enumerate(groups) if src in g)
+                group = groups[gi]
                 sg = int(pl.rank2gpu[src])
                 sd = int(cl.gpu2domain[sg])
                 gpus = [int(pl.rank2gpu[group[slot_of[int(e)] // e_per_rank]]) for e in topk[li, j, t]]
@@ -50,6 +52,7 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
                 remote_pairs += sum(d != sd for d in doms)
                 if mode == "per_domain":
                     cross[li] += len(remote) * w * m.roundtrip_bytes_per_copy
+                    cross_group[s, gi] += len(remote) * w * m.roundtrip_bytes_per_copy
                     nic[(li, sg)] = nic.get((li, sg), 0) + len(remote) * w * m.nic_bytes_per_copy
                     for d in remote:
                         members = [int(pl.rank2gpu[r]) for r in group if cl.gpu2domain[pl.rank2gpu[r]] == d]
@@ -61,6 +64,7 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
                     for g, d in zip(gpus, doms):
                         if d != sd:
                             cross[li] += w * m.roundtrip_bytes_per_copy
+                            cross_group[s, gi] += w * m.roundtrip_bytes_per_copy
                             nic[(li, sg)] = nic.get((li, sg), 0) + w * m.nic_bytes_per_copy
                             nic[(li, g)] = nic.get((li, g), 0) + w * m.nic_bytes_per_copy
                         elif g != sg:
@@ -80,6 +84,7 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
     return {
         "cross": sum(cross),
         "cross_per_layer": cross,
+        "cross_per_group": cross_group,
         "max_nic": max(per_gpu_total.values(), default=0.0),
         "intra": 2 * sum(nvl.values()),
         "lmm": max(lmm),
@@ -122,6 +127,10 @@ def test_matches_reference(case):
     assert got.remote_domains_per_token == pytest.approx(ref["remote_domains_per_token"])
     assert got.remote_experts_per_token == pytest.approx(ref["remote_experts_per_token"])
     assert sum(got.cross_domain_bytes_per_stage) == pytest.approx(got.cross_domain_bytes_per_step)
+    per_group = np.array(got.cross_domain_bytes_per_ep_group)
+    assert per_group.shape == ref["cross_per_group"].shape
+    assert per_group == pytest.approx(ref["cross_per_group"], rel=1e-9, abs=1e-6)
+    assert per_group.sum(axis=1) == pytest.approx(got.cross_domain_bytes_per_stage, rel=1e-9, abs=1e-6)
 
 
 @pytest.mark.parametrize("num_domains,expected", [(2, 1.00), (4, 2.71), (8, 4.65), (16, 6.12)])
