@@ -110,6 +110,8 @@ from typing import Any
 
 import numpy as np
 
+from placement.stats import coactivation_share, expert_counts, mean_pairwise_tv, normalise, total_variation
+
 __all__ = ["generate_routing", "describe_calibration"]
 
 # Latent topics per data domain (topics are shared by all domains).
@@ -519,48 +521,13 @@ def generate_routing(
     return topk
 
 
-def _total_variation(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Total variation between distributions along the last axis."""
-    return 0.5 * np.abs(p - q).sum(axis=-1)
-
-
-def _normalise(counts: np.ndarray) -> np.ndarray:
-    return counts / np.maximum(counts.sum(axis=-1, keepdims=True), 1)
-
-
-def _expert_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """(E,) activations of each expert among ``ids`` (any shape)."""
-    return np.bincount(ids.reshape(-1).astype(np.int64), minlength=num_experts)
-
-
-def _mean_pairwise_tv(layer_topk: np.ndarray, num_experts: int) -> float:
-    """Mean total variation between the load distributions of all pairs of sources.
-
-    ``layer_topk``: (S, T, k) expert ids of one layer.
-    """
-    num_sources, tokens, k = layer_topk.shape
-    if num_sources < 2:
-        return 0.0
-    source = np.repeat(np.arange(num_sources), tokens * k)
-    flat = source * num_experts + layer_topk.reshape(-1).astype(np.int64)
-    counts = np.bincount(flat, minlength=num_sources * num_experts).reshape(num_sources, num_experts)
-    share = _normalise(counts)
-    total = sum(float(_total_variation(share[i], share[i + 1 :]).sum()) for i in range(num_sources - 1))
-    return total / (num_sources * (num_sources - 1) / 2)
-
-
-def _coactivation_share(first: np.ndarray, later: np.ndarray, num_experts: int, top: int) -> float:
-    """Share of the later-layer activations of each expert's tokens on the expert's ``top`` partners.
-
-    ``first``, ``later``: (n, k) expert ids of the same n tokens at two layers. For expert ``e``
-    of the first layer, count the later-layer activations of the tokens routed to ``e``; the
-    result is the share of those counts on the ``top`` most frequent later-layer experts, pooled
-    over experts (each expert weighted by its load).
-    """
-    pair = first.astype(np.int64)[:, :, None] * num_experts + later.astype(np.int64)[:, None, :]
-    counts = np.bincount(pair.reshape(-1), minlength=num_experts * num_experts).reshape(num_experts, num_experts)
-    counts.sort(axis=1)
-    return float(counts[:, num_experts - top :].sum() / max(counts.sum(), 1))
+# The statistics are shared with `placement stats` (placement/stats.py), so that synthetic and
+# imported routing are measured by the same functions.
+_total_variation = total_variation
+_normalise = normalise
+_expert_counts = expert_counts
+_mean_pairwise_tv = mean_pairwise_tv
+_coactivation_share = coactivation_share
 
 
 def describe_calibration(
