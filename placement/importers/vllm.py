@@ -9,7 +9,7 @@ finished request carries ``CompletionOutput.routed_experts``, a numpy array ``[s
 layer_num, topk]``.  vLLM writes no file: :func:`save_routed_experts` stores one data-parallel
 rank's outputs as an ``.npz`` that :func:`read_calls` reads::
 
-    dp_rank                   0-d int: the vLLM data-parallel rank that served the requests
+    dp_rank                   one int: the vLLM data-parallel rank that served the requests
     request_000000, ...       one (tokens, num_hidden_layers, top_k) int array per request, in order
     physical_to_logical_map   optional (num_hidden_layers, physical experts): when EPLB put
                               physical ids in the capture; omitted, ids are taken as logical
@@ -88,8 +88,9 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
                 if "dp_rank" not in names:
                     raise InvalidInputError(f"{path}: dp_rank: missing")
                 dp = npz["dp_rank"]
-                if dp.shape != () or dp.dtype.kind not in "iu":
-                    raise InvalidInputError(f"{path}: dp_rank: expected a 0-d integer array")
+                if dp.size != 1 or dp.ndim > 1 or dp.dtype.kind not in "iu":
+                    raise InvalidInputError(f"{path}: dp_rank: expected one integer")
+                dp = dp.reshape(())
                 p2l = None
                 if "physical_to_logical_map" in names:
                     p2l = npz["physical_to_logical_map"].astype(np.int64)
