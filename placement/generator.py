@@ -89,6 +89,23 @@ skew. Sources differ (0.12 against 0.09 with many tokens), but with 128 tokens p
 difference is small next to the sampling noise, as on a real cluster. With ``skew=0`` the dsv3
 loads give max/mean 1.27 [1.18-1.62] and a top-1/8 share of 0.14.
 
+The same functions measure any instance: ``placement stats INSTANCE`` (:func:`placement.stats.routing_stats`,
+which `describe_calibration` shares its statistics with) on the committed instances, whose routing
+this generator drew, is what an imported instance is compared against (medians over MoE layers,
+fit window; "null" as above; co-activation between consecutive MoE layers, on the busiest-partner
+1/8 of experts):
+
+=========================================  ==========  ==========  ==========
+``placement stats``                        tiny        dsv3_256    qwen3_256
+=========================================  ==========  ==========  ==========
+tokens per source, fit / held-out          32 / 32     128 / 64    96 / 64
+expert load max/mean, all sources          1.375       2.275       2.029
+expert load max/mean, per source           1.766       3.635       2.922
+source difference, pairwise TV (null)      0.18 (0.18) 0.27 (0.26) 0.23 (0.21)
+co-activation d=1, top 1/8 share (null)    0.23 (0.18) 0.46 (0.27) 0.39 (0.23)
+fit vs held-out load TV                    0.060       0.047       0.037
+=========================================  ==========  ==========  ==========
+
 Generating dsv3 takes about 3.5 s of CPU time (one core, numpy only; measured 3.3-3.9 s).
 
 ``skew=0`` removes only the popularity term: topic and domain structure (co-activation,

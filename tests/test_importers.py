@@ -482,3 +482,40 @@ def test_build_routing_refuses_nothing():
     inst = _ri(Path(__file__).resolve().parent.parent / "instances" / "tiny.json")
     with pytest.raises(InvalidInputError, match="no router records"):
         build_routing([], inst.model, inst.parallel, ImportOptions())
+
+
+# ---------------------------------------------------------------------------------------------
+# placement stats: against plain loops on a small random instance
+# ---------------------------------------------------------------------------------------------
+def test_routing_stats_against_brute_force():
+    from placement.stats import routing_stats
+    from tests.conftest import random_instance
+
+    inst = random_instance(np.random.default_rng(13), num_experts=8, top_k=2, dp=3, tokens=7, moe_layers=3)
+    st_ = routing_stats(inst)
+    fit, held = inst.routing.topk, inst.routing.heldout_topk
+    L, S, T, k = fit.shape
+    for layer in range(L):
+        counts = np.zeros(E)
+        per = np.zeros((S, E))
+        for s in range(S):
+            for t in range(T):
+                for e in fit[layer, s, t]:
+                    counts[e] += 1
+                    per[s, e] += 1
+        assert st_["load_max_over_mean"][layer] == pytest.approx(counts.max() / counts.mean())
+        assert st_["source_load_max_over_mean"][layer] == pytest.approx(np.mean(per.max(1) / per.mean(1)))
+        tv = [0.5 * np.abs(per[a] / per[a].sum() - per[b] / per[b].sum()).sum() for a in range(S) for b in range(a + 1, S)]
+        assert st_["source_tv"][layer] == pytest.approx(np.mean(tv))
+        hc = np.bincount(held[layer].reshape(-1), minlength=E)
+        assert st_["window_tv"][layer] == pytest.approx(0.5 * np.abs(counts / counts.sum() - hc / hc.sum()).sum())
+    for layer in range(L - 1):
+        pair = np.zeros((E, E))
+        for s in range(S):
+            for t in range(T):
+                for a in fit[layer, s, t]:
+                    for b in fit[layer + 1, s, t]:
+                        pair[a, b] += 1
+        top = max(1, E // 8)
+        assert st_["coactivation"][layer] == pytest.approx(np.sort(pair, axis=1)[:, E - top:].sum() / pair.sum())
+    assert st_["tokens_per_source"] == {"fit": T, "heldout": held.shape[2]}

@@ -77,7 +77,7 @@ def _int_field(rec: dict, key: str, where: str) -> int:
     return v
 
 
-def _ids(rec: dict, where: str, checker: IdChecker) -> np.ndarray:
+def _ids(rec: dict, where: str, checker: IdChecker, check: bool = True) -> np.ndarray:
     raw = rec.get("top_indices")
     if not isinstance(raw, list):
         raise InvalidInputError(f"{where}: top_indices: expected a list of per-token lists")
@@ -92,7 +92,7 @@ def _ids(rec: dict, where: str, checker: IdChecker) -> np.ndarray:
         raise InvalidInputError(f"{where}: top_indices: expected integer rows of top_k={k} ids")
     if ids.shape[1] != k:
         raise InvalidInputError(f"{where}: top_indices: {ids.shape[1]} ids per token, the model's top_k is {k}")
-    return checker.check(ids, where)
+    return checker.check(ids, where) if check else ids.astype(np.int64, copy=False)
 
 
 def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iterator[RouterCall]:
@@ -165,4 +165,5 @@ class _Loader:
         with _open_regular(self.path) as fh:
             fh.seek(self.start)
             line = fh.read(self.size)
-        return _ids(_parse(line, self.where), self.where, self.checker)
+        # validated by the scan; the core checks the shape again (a file changed in between)
+        return _ids(_parse(line, self.where), self.where, self.checker, check=False)
