@@ -42,6 +42,13 @@ def _sections(tmp_path: Path, model: dict = MODEL, parallel: dict = PARALLEL) ->
     return out
 
 
+def _solves(inst) -> None:
+    import placement
+
+    result = placement.solve(inst, time_limit_s=20, seed=0, num_workers=1)
+    assert placement.check_placement(inst, result.placement) == []
+
+
 def _routing(rng: np.random.Generator, steps: int, micro: int, tokens: int, dp: int = 2, layers: int = 3) -> np.ndarray:
     """(steps, micro, layers, dp, tokens, K) distinct expert ids."""
     return np.sort(rng.random((steps, micro, layers, dp, tokens, E)).argsort(axis=-1)[..., :K], axis=-1)
@@ -375,6 +382,7 @@ def test_vllm_captures_import(tmp_path):
         n = inst.routing.topk.shape[2]
         pos = (np.arange(n) * fit.shape[0]) // n
         np.testing.assert_array_equal(inst.routing.topk[:, d], fit[pos].transpose(1, 0, 2))
+    _solves(inst)
 
 
 def test_vllm_physical_map_and_padding(tmp_path):
@@ -450,6 +458,7 @@ def test_sglang_per_token_dump_imports(tmp_path):
     for rank in (0, 1):
         np.testing.assert_array_equal(inst.routing.topk[:, rank], np.concatenate(expected[rank][:3]).transpose(1, 0, 2))
         np.testing.assert_array_equal(inst.routing.heldout_topk[:, rank], expected[rank][3].transpose(1, 0, 2))
+    _solves(inst)
 
 
 def test_sglang_stat_dump_and_bad_ids_refused(tmp_path, capsys):
@@ -519,3 +528,45 @@ def test_routing_stats_against_brute_force():
         top = max(1, E // 8)
         assert st_["coactivation"][layer] == pytest.approx(np.sort(pair, axis=1)[:, E - top:].sum() / pair.sum())
     assert st_["tokens_per_source"] == {"fit": T, "heldout": held.shape[2]}
+
+
+def test_vllm_bad_captures(tmp_path, capsys):
+    par = dict(PARALLEL, pp=1, dp=1, ep=1, stage_layers=[[0, 1, 2, 3]], global_batch=2)
+    sec = _sections(tmp_path, parallel=par)
+    argv = ["--model", sec["model"], "--parallel", sec["parallel"], "--cluster", sec["cluster"], "-o", str(tmp_path / "o.json")]
+    good = np.zeros((2, 4, K), dtype=np.int64)
+    good[:, 1:] = [0, 1]
+    cases = {
+        "out_of_range": dict(dp_rank=np.array(0), request_000000=np.where(good == 1, E, good), request_000001=good),
+        "wrong_shape": dict(dp_rank=np.array(0), request_000000=good[:, :3], request_000001=good),
+        "dp_outside": dict(dp_rank=np.array(4), request_000000=good, request_000001=good),
+    }
+    for name, arrays in cases.items():
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, **arrays)
+        assert main(["import", "--from", "vllm", str(path), *argv]) == 2, name
+        err = capsys.readouterr().err
+        assert f"{path}: " in err and err.count("\n") == 1, err
+    trunc = tmp_path / "trunc.npz"
+    trunc.write_bytes((tmp_path / "wrong_shape.npz").read_bytes()[:200])
+    assert main(["import", "--from", "vllm", str(trunc), *argv]) == 2
+    assert f"{trunc}: not a readable .npz" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.lists(st.one_of(st.text(max_size=40), st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
+                               st.builds(json.dumps, st.dictionaries(st.sampled_from(["step", "layer", "rank", "top_indices", "block"]),
+                                                                     st.one_of(st.integers(-3, 12), st.text(max_size=3),
+                                                                               st.lists(st.lists(st.integers(-2, 10), max_size=3), max_size=3))))),
+                     min_size=1, max_size=4))
+def test_megatron_reader_fuzz_only_input_errors(tmp_path_factory, junk):
+    tmp = tmp_path_factory.mktemp("fz")
+    ids = _routing(np.random.default_rng(14), steps=2, micro=1, tokens=2)
+    paths = _write_megatron(tmp / "t", ids)
+    with open(paths[0], "a", encoding="utf-8", errors="surrogateescape") as fh:
+        fh.write("\n".join(junk) + "\n")
+    try:
+        import_instance("megatron", paths, **_sections(tmp))
+    except InvalidInputError as exc:
+        assert "\n" not in str(exc)

@@ -22,6 +22,7 @@ per-token ids.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import zipfile
@@ -70,7 +71,8 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
         if not path.is_file():
             raise InvalidInputError(f"{path}: capture file not found or not a regular file")
         try:
-            npz = np.load(path, allow_pickle=False)
+            raw = path.read_bytes()
+            npz = np.load(io.BytesIO(raw), allow_pickle=False)
         except Exception as exc:  # noqa: BLE001
             raise InvalidInputError(f"{path}: not a readable .npz (truncated or corrupt): {exc}") from None
         if not isinstance(npz, np.lib.npyio.NpzFile):
