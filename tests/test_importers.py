@@ -570,3 +570,12 @@ def test_megatron_reader_fuzz_only_input_errors(tmp_path_factory, junk):
         import_instance("megatron", paths, **_sections(tmp))
     except InvalidInputError as exc:
         assert "\n" not in str(exc)
+
+
+def test_token_cap_beyond_the_instance_limit_is_refused(tmp_path, monkeypatch):
+    import placement.importers.core as core_mod
+
+    monkeypatch.setattr(core_mod, "MAX_ROUTING_IDS", 100)
+    ids = _routing(np.random.default_rng(15), steps=2, micro=1, tokens=20)
+    with pytest.raises(InvalidInputError, match="use at most 8"):  # 100 // (3 layers * 2 sources * top-2)
+        import_instance("megatron", _write_megatron(tmp_path / "t", ids), **_sections(tmp_path))

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from placement.formats import MAX_ROUTING_IDS
 from placement.model import InvalidInputError, MoEModel, ParallelLayout, Routing
 
 __all__ = [
@@ -283,6 +284,12 @@ def build_routing(
         if keep < 1:
             d = int(np.argmin(avail))
             raise InvalidInputError(f"{label}: data-parallel rank {d} routed no token in the {name} window")
+        if L * parallel.dp * keep * model.top_k > MAX_ROUTING_IDS:
+            fits = max(1, MAX_ROUTING_IDS // (L * parallel.dp * model.top_k))
+            raise InvalidInputError(
+                f"--max-tokens-per-source: {keep} tokens per source would put {L * parallel.dp * keep * model.top_k:,} "
+                f"expert ids in the {name} window, more than an instance holds ({MAX_ROUTING_IDS:,}); use at most {fits}"
+            )
         out = np.empty((L, parallel.dp, keep, model.top_k), dtype=np.uint16 if model.num_experts <= 65535 else np.int64)
         for d in range(parallel.dp):
             pos = _even_positions(avail[d], keep)
