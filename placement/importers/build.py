@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from placement.formats import INSTANCE_SPEC, _load_json, read_instance, write_instance
+from placement.formats import INSTANCE_SPEC, _load_json, read_instance
 from placement.importers import core
 from placement.model import COST_MODES, Instance, InvalidInputError
 from placement.schema import validate
@@ -199,11 +200,4 @@ def import_instance(
         "files": sorted(Path(t).name for t in traces),
         **result.provenance,
     }
-    from dataclasses import replace
-
     return replace(skeleton, routing=result.routing, extra={"generator": provenance}, sha256="")
-
-
-def write_imported(instance: Instance, path: str | os.PathLike[str]) -> None:
-    """Write the instance (JSON + ``.npz``, each atomically)."""
-    write_instance(instance, path)

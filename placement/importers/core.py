@@ -357,15 +357,3 @@ def _holders(parallel: ParallelLayout, source: int, layer: int) -> str:
 def _few(values: Sequence[int], limit: int = 6) -> str:
     vals = [str(v) for v in values[:limit]]
     return ", ".join(vals) + (f", ... ({len(values)} in all)" if len(values) > limit else "")
-
-
-def heldout_steps_arg(value: str) -> int:
-    """argparse type of ``--heldout-steps``."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise InvalidInputError(f"--heldout-steps: expected a positive integer, found {value!r}") from None
-    if n < 1:
-        raise InvalidInputError(f"--heldout-steps: expected a positive integer, found {n}")
-    return n
-
