@@ -2,7 +2,8 @@
 
 The public API (see :mod:`placement.api`): :func:`load_instance`, :func:`solve`,
 :func:`evaluate_placement`, :func:`check_placement`, :func:`save_result`,
-:func:`verify_placement`, :func:`export_placement`, :class:`SignalStop`;
+:func:`verify_placement`, :func:`export_placement`, :class:`SignalStop`; recorded routing in with
+:func:`import_routing` / :func:`save_instance`, checked with :func:`routing_stats`;
 the model in :mod:`placement.model`; the cost model in :mod:`placement.cost`.  Every error raised
 on purpose is a :class:`PlacementError`; its ``exit_code`` is what the CLI exits with.
 """
@@ -18,9 +19,12 @@ from placement.api import (
     estimate_finish_s,
     evaluate_placement,
     export_placement,
+    import_routing,
     load_instance,
     load_placement,
     result_document,
+    routing_stats,
+    save_instance,
     save_result,
     solve,
     solver_budget_s,
@@ -56,6 +60,9 @@ __all__ = [
     "result_document",
     "verify_placement",
     "export_placement",
+    "import_routing",
+    "save_instance",
+    "routing_stats",
     "SignalStop",
     "Interrupted",
     "SolveOptions",

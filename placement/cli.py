@@ -268,6 +268,64 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_import(args: argparse.Namespace) -> int:
+    from placement.api import import_routing, save_instance
+
+    _check_output_path(args.output)
+    instance = import_routing(
+        args.source,
+        args.traces,
+        base=args.base,
+        model=args.model,
+        parallel=args.parallel,
+        cluster=args.cluster,
+        name=args.name,
+        cost_mode=args.cost_mode,
+        heldout_steps=args.heldout_steps,
+        max_tokens_per_source=args.max_tokens_per_source,
+    )
+    save_instance(instance, args.output)
+    windows = instance.extra["generator"]["windows"]
+    r = instance.routing
+    assert r.heldout_topk is not None
+    print(
+        f"{instance.name}: {instance.model.num_moe_layers} MoE layers x {instance.parallel.dp} sources; "
+        f"fit {r.topk.shape[2]} tokens/source ({len(windows['fit']['steps'])} steps), "
+        f"held-out {r.heldout_topk.shape[2]} tokens/source ({len(windows['heldout']['steps'])} steps)"
+    )
+    print(f"  wrote {args.output} and {Path(args.output).with_suffix('.npz')}")
+    return EXIT_OK
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from placement.api import load_instance, routing_stats
+
+    instance = load_instance(args.instance)
+    st = routing_stats(instance, distance=args.distance)
+    if args.json:
+        print(json.dumps(st, sort_keys=True))
+        return EXIT_OK
+    sm = st["summary"]
+    tok = st["tokens_per_source"]
+
+    def f(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.3f}"
+
+    print(f"{instance.name}: routing of {st['moe_layers']} MoE layers, {st['sources']} sources, "
+          f"{st['num_experts']} experts, top-{st['top_k']}")
+    print(f"  tokens per source: fit {tok['fit']}, held-out {tok['heldout']}")
+    print(f"  {'median over MoE layers':<44}{'value':>10}{'null':>10}")
+    print(f"  {'expert load max/mean, all sources':<44}{f(sm['load_max_over_mean']):>10}"
+          f"   (worst layer {f(sm['load_max_over_mean_worst'])})")
+    print(f"  {'expert load max/mean, per source (mean)':<44}{f(sm['source_load_max_over_mean']):>10}")
+    print(f"  {'source difference (mean pairwise TV)':<44}{f(sm['source_tv']):>10}{f(sm['source_tv_null']):>10}")
+    label = f"co-activation d={st['coactivation_distance']}, top {st['coactivation_partners']} share"
+    print(f"  {label:<44}{f(sm['coactivation']):>10}{f(sm['coactivation_null']):>10}")
+    print(f"  {'fit vs held-out load TV (mean)':<44}{f(sm['window_tv_mean']):>10}")
+    print("  (null: tokens shuffled across sources, or the later layer's tokens shuffled: independent routing)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
     from placement.api import DEFAULT_SOLVER
@@ -304,6 +362,28 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", required=True, choices=FORMATS, help="target stack (docs/formats.md)")
     ex.add_argument("-o", "--output", required=True, help="output file (written atomically)")
     ex.add_argument("--instance", help="the instance file the placement was solved for (required except for vllm)")
+
+    from placement.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, SOURCES
+
+    im = sub.add_parser("import", help="build an instance from recorded routing traces (README: bring your own)")
+    im.add_argument("traces", nargs="+", metavar="TRACES", help="trace files of every rank")
+    im.add_argument("--from", dest="source", required=True, choices=SOURCES, help="the stack that recorded them")
+    im.add_argument("-o", "--output", required=True, help="instance JSON to write (with its .npz), atomically")
+    im.add_argument("--base", help="instance JSON whose model, parallel and cluster sections to use")
+    im.add_argument("--model", help="JSON of the model section (or an instance file); overrides --base")
+    im.add_argument("--parallel", help="JSON of the parallel section (or an instance file); overrides --base")
+    im.add_argument("--cluster", help="JSON of the cluster section (or an instance file); overrides --base")
+    im.add_argument("--name", help="instance name (default: the base's, else 'imported')")
+    im.add_argument("--cost-mode", choices=("per_domain", "per_pair"), help="default: the base's, else per_domain")
+    im.add_argument("--heldout-steps", type=int, default=None, metavar="N",
+                    help="last N steps (forward passes, requests) form the held-out window (default: a quarter)")
+    im.add_argument("--max-tokens-per-source", type=int, default=DEFAULT_MAX_TOKENS_PER_SOURCE, metavar="N",
+                    help=f"cap on tokens kept per source and window (default {DEFAULT_MAX_TOKENS_PER_SOURCE})")
+
+    st = sub.add_parser("stats", help="routing statistics of an instance: what to check before trusting a solve")
+    st.add_argument("instance", help="instance JSON file")
+    st.add_argument("--distance", type=int, default=1, help="MoE-layer distance of the co-activation statistic")
+    st.add_argument("--json", action="store_true", help="print every statistic as JSON")
 
     ve = sub.add_parser("verify", help="check a placement file against its instance; exit 2 listing every violation")
     ve.add_argument("instance", help="instance JSON file")
@@ -367,6 +447,14 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
             return _cmd_verify(args)
         if args.command == "show":
             return _cmd_show(args)
+        if args.command == "import":
+            if args.heldout_steps is not None and args.heldout_steps < 1:
+                raise InvalidInputError(f"--heldout-steps: expected a positive integer, found {args.heldout_steps}")
+            return _cmd_import(args)
+        if args.command == "stats":
+            if args.distance < 1:
+                raise InvalidInputError(f"--distance: expected a positive integer, found {args.distance}")
+            return _cmd_stats(args)
         raise InvalidInputError(f"unknown command {args.command!r}")  # pragma: no cover
     except PlacementError as exc:
         print(f"placement: error: {_one_line(str(exc))}", file=sys.stderr)
