@@ -228,7 +228,7 @@ def _classify(stack: str, form: str, key: str) -> _Hit | None:
             group = inner.group
             if inner.expert is not None:
                 group = key[: m.start("key")] + inner.group + key[m.end("key") :]
-            return _Hit(**{**inner.__dict__, "optimizer": True, "router": False, "weight": False, "group": group})
+            return _Hit(**{**inner.__dict__, "optimizer": True, "group": group})
     return _classify_model_key(stack, form, key)
 
 
@@ -265,6 +265,7 @@ def permute_entries(
     num_groups: int = 1,
     layer_offset: int = 0,
     require_all: bool = True,
+    keep_router: bool = False,
 ) -> dict[str, Any]:
     """A new mapping in which every per-expert entry of the listed layers is renumbered.
 
@@ -286,6 +287,10 @@ def permute_entries(
         Model layer index of the names' layer 0 (``state_dict`` form, one pipeline stage's file).
     require_all : bool
         Every listed layer must have its router and expert weights among the entries.
+    keep_router : bool
+        Move only the experts (weights, biases, FP8 state and their optimizer state) and keep the
+        router and its per-expert bias and counters in logical order: the layout that
+        :mod:`placement.runtime`'s dispatch-time map expects.  Groups then need not stay whole.
 
     Returns
     -------
@@ -302,7 +307,8 @@ def permute_entries(
     """
     if (stack, "state_dict") not in _COMPILED:
         raise InvalidInputError(f"stack: expected one of {', '.join(STACKS)}, found {stack!r}")
-    perms = {int(layer): check_permutation(int(layer), perm, num_groups) for layer, perm in layers.items()}
+    groups = 1 if keep_router else num_groups
+    perms = {int(layer): check_permutation(int(layer), perm, groups) for layer, perm in layers.items()}
     out = dict(entries)
     routers: set[int] = set()
     weights: set[int] = set()
@@ -317,6 +323,8 @@ def permute_entries(
         hit = _classify(stack, form, base)
         if hit is None:
             continue
+        if keep_router and not hit.weight and hit.kind in ("axis",):
+            continue  # the router, its bias and counters stay logical
         if hit.kind == "unknown":
             raise InvalidInputError(f"{key}: {_UNKNOWN_MSG}; refusing to permute the checkpoint without it")
         if hit.kind == "extra":
@@ -365,7 +373,8 @@ def permute_entries(
             if len(shape) <= axis or shape[axis] != len(perm):
                 raise InvalidInputError(f"{key}: expected {len(perm)} experts along dim {axis}, found shape {shape}")
             out[key] = _take(value, perm, axis)
-            (routers if hit.router else weights if hit.weight else set()).add(layer)
+            if not hit.optimizer:
+                (routers if hit.router else weights if hit.weight else set()).add(layer)
         else:
             present = {l: p for l, p in perms.items() if len(shape) > hit.layer_axis and l < shape[hit.layer_axis]}
             for l, perm in present.items():
@@ -373,7 +382,8 @@ def permute_entries(
                     raise InvalidInputError(f"{key}: expected {len(perm)} experts along dim {hit.axis}, found shape {shape}")
             if present:
                 out[key] = _take_stacked(value, present, hit.layer_axis, hit.axis)
-                (routers if hit.router else weights if hit.weight else set()).update(present)
+                if not hit.optimizer:
+                    (routers if hit.router else weights if hit.weight else set()).update(present)
     for (template, layer_axis, layer), keys in named.items():
         todo = perms if layer is None else ({layer: perms[layer]} if layer in perms else {})
         for l, perm in todo.items():
@@ -402,7 +412,7 @@ def permute_entries(
                 out[k] = new[e]
     if require_all:
         for layer in perms:
-            if layer not in routers:
+            if layer not in routers and not keep_router:
                 expected = PARAMETER_NAMES.get(stack, {}).get("router_weight", "a router weight")
                 if form == "state_dict":
                     expected = repr(expected.format(layer=layer - layer_offset))
@@ -421,6 +431,7 @@ def apply_permutation(
     stack: Stack,
     num_groups: int = 1,
     layer_offset: int = 0,
+    keep_router: bool = False,
 ) -> dict[str, Any]:
     """A new in-memory state dict in which each listed MoE layer's experts are renumbered.
 
@@ -436,6 +447,8 @@ def apply_permutation(
         ``num_expert_groups`` / ``n_group``); 1 when routing is not group-limited.
     layer_offset : int
         Model layer index of the state dict's layer 0 (a pipeline stage's first layer).
+    keep_router : bool
+        Move the experts only (see :func:`permute_entries`), for :mod:`placement.runtime`.
 
     Returns
     -------
@@ -455,7 +468,9 @@ def apply_permutation(
     for layer in layers:
         if int(layer) < layer_offset:
             raise InvalidInputError(f"layer {layer}: below layer_offset={layer_offset}")
-    return permute_entries(state_dict, layers, stack=stack, num_groups=num_groups, layer_offset=layer_offset)
+    return permute_entries(
+        state_dict, layers, stack=stack, num_groups=num_groups, layer_offset=layer_offset, keep_router=keep_router
+    )
 
 
 def apply_exported_permutation(
@@ -563,7 +578,9 @@ def permute_dcp(
         """Keep objects as the bytes on disk (they are copied, never unpickled)."""
 
         def load_bytes(self, read_item, value):  # type: ignore[no-untyped-def]
-            self.state_dict[read_item.dest_index.fqn] = io.BytesIO(value.read())
+            target = self.state_dict[read_item.dest_index.fqn]  # the placeholder in ``entries``
+            target.write(value.read())
+            target.seek(0)
 
     class _AsBytes(DefaultSavePlanner):
         """Write objects' bytes as they are (the source already serialised them)."""
