@@ -335,22 +335,19 @@ def permute_entries(
                 "checkpoint instead, where Megatron-Core stores it per expert"
             )
         if shard is not None:  # a torch_dist ShardedObject: its offsets say layer (and expert)
-            off, shape = shard
+            off, global_shape = shard
+            shape_text = ".".join(map(str, global_shape))
             if hit.kind == "named" and len(off) >= 1:
-                layer = off[0]
-                named.setdefault((hit.group + f"/shard_{{}}_{'.'.join(map(str, shape))}", None, layer), {})[
-                    int(hit.expert or 0)
-                ] = key
+                named.setdefault((hit.group + f"/shard_{{}}_{shape_text}", None, off[0]), {})[int(hit.expert or 0)] = key
             elif hit.kind == "axis" and len(off) >= 2:
-                layer = off[0]
-                template = f"{base}/shard_{off[0]}.{{expert}}{''.join('.' + str(x) for x in off[2:])}_{'.'.join(map(str, shape))}"
-                named.setdefault((template, None, layer), {})[off[1]] = key
+                template = f"{base}/shard_{off[0]}.{{expert}}{''.join('.' + str(x) for x in off[2:])}_{shape_text}"
+                named.setdefault((template, None, off[0]), {})[off[1]] = key
             else:
                 raise InvalidInputError(f"{key}: a per-expert object whose shard offsets {off} name no expert")
             continue
         if hit.kind in ("named",):
-            layer = None if hit.layer is None else hit.layer + layer_offset
-            named.setdefault((hit.group, hit.layer_axis, layer), {})[int(hit.expert or 0)] = key
+            in_name = None if hit.layer is None else hit.layer + layer_offset
+            named.setdefault((hit.group, hit.layer_axis, in_name), {})[int(hit.expert or 0)] = key
             continue
         if _is_object(value):
             raise InvalidInputError(f"{key}: a per-expert entry that is not a tensor ({type(value).__name__})")
@@ -384,8 +381,8 @@ def permute_entries(
                 out[key] = _take_stacked(value, present, hit.layer_axis, hit.axis)
                 if not hit.optimizer:
                     (routers if hit.router else weights if hit.weight else set()).update(present)
-    for (template, layer_axis, layer), keys in named.items():
-        todo = perms if layer is None else ({layer: perms[layer]} if layer in perms else {})
+    for (template, layer_axis, in_name), keys in named.items():
+        todo = perms if in_name is None else ({in_name: perms[in_name]} if in_name in perms else {})
         for l, perm in todo.items():
             if sorted(keys) != list(range(len(perm))):
                 have = sorted(keys)
@@ -522,6 +519,7 @@ def permute_dcp(
     *,
     stack: Literal["megatron", "torchtitan"] | None = None,
     num_groups: int | None = None,
+    keep_router: bool = False,
 ) -> list[str]:
     """Permute a ``torch.distributed.checkpoint`` directory ``src`` into a new directory ``dst``.
 
@@ -540,6 +538,8 @@ def permute_dcp(
     stack : "megatron" or "torchtitan"; the document's by default
     num_groups : int, optional
         Overrides the document's group rule (1: no group constraint).
+    keep_router : bool
+        Move the experts only, for :mod:`placement.runtime` (see :func:`permute_entries`).
 
     Returns
     -------
@@ -577,7 +577,7 @@ def permute_dcp(
     class _RawBytes(DefaultLoadPlanner):
         """Keep objects as the bytes on disk (they are copied, never unpickled)."""
 
-        def load_bytes(self, read_item, value):  # type: ignore[no-untyped-def]
+        def load_bytes(self, read_item, value):
             target = self.state_dict[read_item.dest_index.fqn]  # the placeholder in ``entries``
             target.write(value.read())
             target.seek(0)
@@ -585,12 +585,12 @@ def permute_dcp(
     class _AsBytes(DefaultSavePlanner):
         """Write objects' bytes as they are (the source already serialised them)."""
 
-        def transform_object(self, write_item, object):  # type: ignore[no-untyped-def]  # noqa: A002
+        def transform_object(self, write_item, object):  # noqa: A002
             return object
 
     dcp.load(entries, storage_reader=reader, planner=_RawBytes(flatten_state_dict=False), no_dist=True)
     form: Form = "torch_dist"
-    out = permute_entries(entries, layers, stack=chosen, form=form, num_groups=groups)
+    out = permute_entries(entries, layers, stack=chosen, form=form, num_groups=groups, keep_router=keep_router)
     changed = sorted(k for k in out if out[k] is not entries[k])
 
     def write(tmp: Path) -> None:
@@ -822,7 +822,7 @@ def permute_orbax(
     list of str
         Paths (``a/b/c``) of the permuted leaves, sorted.
     """
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # type: ignore[import-untyped]
 
     layers, meta = read_expert_permutation(doc if isinstance(doc, str) else dict(doc))
     groups = _doc_groups(meta) if num_groups is None else num_groups
@@ -982,12 +982,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("src", help="source checkpoint directory")
     parser.add_argument("dst", help="destination directory (must not exist)")
     parser.add_argument("--layer-offsets", default="", help="megatron-legacy: PP:FIRST_LAYER,... per pipeline rank")
+    parser.add_argument(
+        "--keep-router", action="store_true", help="DCP formats: move the experts only (for placement.runtime's map)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.format == "megatron-torch-dist":
-            changed = permute_dcp(args.src, args.dst, args.permutation, stack="megatron")
+            changed = permute_dcp(args.src, args.dst, args.permutation, stack="megatron", keep_router=args.keep_router)
         elif args.format == "torchtitan-dcp":
-            changed = permute_dcp(args.src, args.dst, args.permutation, stack="torchtitan")
+            changed = permute_dcp(args.src, args.dst, args.permutation, stack="torchtitan", keep_router=args.keep_router)
         elif args.format == "megatron-legacy":
             offsets = {}
             for part in filter(None, args.layer_offsets.split(",")):

@@ -59,10 +59,11 @@ class ExpertMap:
 
 def expert_map(layers_or_doc: Mapping[int, Sequence[int] | np.ndarray] | Mapping[str, Any] | str) -> dict[int, ExpertMap]:
     """``{model layer index: ExpertMap}`` from ``{layer: phy2log}`` or a permutation document / its path."""
-    if isinstance(layers_or_doc, str) or (isinstance(layers_or_doc, Mapping) and "kind" in layers_or_doc):
-        layers, _ = read_expert_permutation(layers_or_doc if isinstance(layers_or_doc, str) else dict(layers_or_doc))
+    source: Any = layers_or_doc
+    if isinstance(source, str) or "kind" in source:
+        layers, _ = read_expert_permutation(source if isinstance(source, str) else dict(source))
     else:
-        layers = {int(k): np.asarray(v) for k, v in layers_or_doc.items()}  # type: ignore[union-attr]
+        layers = {int(k): np.asarray(v) for k, v in source.items()}
     return {layer: ExpertMap(layer, tuple(check_permutation(layer, perm))) for layer, perm in sorted(layers.items())}
 
 
