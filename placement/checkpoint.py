@@ -42,6 +42,7 @@ import re
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -588,7 +589,9 @@ def permute_dcp(
         def transform_object(self, write_item, object):  # noqa: A002
             return object
 
-    dcp.load(entries, storage_reader=reader, planner=_RawBytes(flatten_state_dict=False), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(entries, storage_reader=reader, planner=_RawBytes(flatten_state_dict=False), no_dist=True)
     form: Form = "torch_dist"
     out = permute_entries(entries, layers, stack=chosen, form=form, num_groups=groups, keep_router=keep_router)
     changed = sorted(k for k in out if out[k] is not entries[k])
@@ -598,7 +601,9 @@ def permute_dcp(
             if child.name != ".metadata" and not child.name.endswith(".distcp"):
                 (shutil.copytree if child.is_dir() else shutil.copy2)(child, tmp / child.name)
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True)
-        dcp.save(out, storage_writer=writer, planner=_AsBytes(flatten_state_dict=False), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(out, storage_writer=writer, planner=_AsBytes(flatten_state_dict=False), no_dist=True)
 
     _write_dir(dst, write)
     return changed
@@ -840,8 +845,16 @@ def permute_orbax(
     by_position = {i: layers[layer] for i, layer in enumerate(order) if layer in layers}
     if scan_axis is None:
         by_position = {0: next(iter(layers.values()))}
+    import jax
+
     with ocp.PyTreeCheckpointer() as ckptr:
-        tree = ckptr.restore(str(src))
+        # host numpy arrays whatever devices the checkpoint was saved from (its sharding is ignored)
+        meta_tree = ckptr.metadata(str(src)).item_metadata.tree
+        restore_args = jax.tree_util.tree_map(
+            lambda m: ocp.RestoreArgs(restore_type=np.ndarray) if type(m).__name__ == "ArrayMetadata" else ocp.RestoreArgs(),
+            meta_tree,
+        )
+        tree = ckptr.restore(str(src), restore_args=restore_args)
     flat = _flatten_tree(tree)
     entries = {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in flat.items()}
     _ORBAX_SCAN_AXIS[0] = scan_axis

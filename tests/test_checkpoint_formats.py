@@ -20,6 +20,8 @@ from placement import checkpoint as ck
 from placement.model import InvalidInputError
 from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
 
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+
 E = 8
 PERM = [3, 1, 0, 2, 7, 5, 4, 6]
 
