@@ -396,7 +396,10 @@ def permute_entries(
         if layer_axis is None:
             perm = next(iter(todo.values()))
             for p, old in enumerate(perm):
-                out[keys[p]] = entries[keys[old]]
+                value = entries[keys[old]]
+                # a copy: a model's state_dict() values are its live parameters, and
+                # load_state_dict(out) copies into them one by one
+                out[keys[p]] = _clone(value) if hasattr(value, "shape") else value
             weights.update(todo)
         else:
             new = {e: _clone(entries[k]) for e, k in keys.items()}

@@ -84,9 +84,36 @@ def test_keep_router_moves_experts_only_and_ignores_groups():
     breaking = [4, 1, 0, 2, 7, 5, 3, 6]  # moves experts across 2 groups of 4
     out = ck.apply_permutation(sd, {1: breaking}, stack="megatron", num_groups=2, keep_router=True)
     assert out["decoder.layers.1.mlp.router.weight"] is sd["decoder.layers.1.mlp.router.weight"]
-    assert out["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"] is sd[
-        "decoder.layers.1.mlp.experts.local_experts.4.linear_fc1.weight"
-    ]
+    assert np.array_equal(
+        out["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"],
+        sd["decoder.layers.1.mlp.experts.local_experts.4.linear_fc1.weight"],
+    )
+
+
+def test_permuted_state_dict_loads_into_the_live_model():
+    """``model.load_state_dict(apply_permutation(model.state_dict(), ...))``: the values are copies."""
+    torch = pytest.importorskip("torch")
+
+    class Expert(torch.nn.Module):
+        def __init__(self, e):
+            super().__init__()
+            self.linear_fc1 = torch.nn.Linear(2, 2, bias=False)
+            torch.nn.init.constant_(self.linear_fc1.weight, float(e))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(2, E, bias=False)
+            self.experts = torch.nn.Module()
+            self.experts.local_experts = torch.nn.ModuleList(Expert(e) for e in range(E))
+
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.decoder.layers[0].mlp = Layer()
+    model.load_state_dict(ck.apply_permutation(model.state_dict(), {0: PERM}, stack="megatron"))
+    got = [int(m.linear_fc1.weight[0, 0]) for m in model.decoder.layers[0].mlp.experts.local_experts]
+    assert got == PERM
 
 
 # ---------------------------------------------------------------------------------------------
