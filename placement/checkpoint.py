@@ -615,7 +615,7 @@ def permute_dcp(
 # ---------------------------------------------------------------------------------------------
 # Megatron legacy per-rank files
 # ---------------------------------------------------------------------------------------------
-_RANK_DIR = re.compile(r"mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?(?:_(?P<ep>\d{3}))?")
+_RANK_DIR = re.compile(r"mp_rank_(?P<tp>\d{2})(?:_(?P<a>\d{3}))?(?:_(?P<b>\d{3}))?")
 
 
 def permute_megatron_legacy(
@@ -626,6 +626,7 @@ def permute_megatron_legacy(
     layer_offsets: Mapping[int, int] | None = None,
     num_groups: int | None = None,
     file_name: str = "model_optim_rng.pt",
+    second_index: Literal["pp", "ep"] | None = None,
 ) -> list[str]:
     """Permute a legacy Megatron checkpoint directory (``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``).
 
@@ -646,6 +647,10 @@ def permute_megatron_legacy(
     num_groups : int, optional
         Overrides the document's group rule.
     file_name : str
+    second_index : "pp" or "ep", optional
+        What the second number of ``mp_rank_TT_NNN`` is: Megatron appends the pipeline rank when
+        pipeline-parallel and the expert rank when expert-parallel, so a two-number name is
+        ambiguous and must be told (three numbers are ``TT_PPP_EEE``).
 
     Returns
     -------
@@ -665,8 +670,22 @@ def permute_megatron_legacy(
     for child in sorted(src.iterdir()):
         m = _RANK_DIR.fullmatch(child.name)
         if m and (child / file_name).is_file():
-            tp_pp = (int(m.group("tp")), int(m.group("pp") or 0))
-            ranks.setdefault(tp_pp, {})[int(m.group("ep") or 0)] = child / file_name
+            if m.group("b") is not None:
+                pp, ep = int(m.group("a")), int(m.group("b"))
+            elif m.group("a") is not None:
+                if second_index is None:
+                    raise InvalidInputError(
+                        f"{child}: mp_rank_TT_NNN names a pipeline or an expert rank: pass second_index='pp' or 'ep'"
+                    )
+                pp, ep = (int(m.group("a")), 0) if second_index == "pp" else (0, int(m.group("a")))
+            else:
+                pp, ep = 0, 0
+            if (child / "distrib_optim.pt").exists():
+                raise InvalidInputError(
+                    f"{child / 'distrib_optim.pt'}: distributed-optimizer state in flat buffers, whose expert axis "
+                    "cannot be identified; save in the torch_dist format"
+                )
+            ranks.setdefault((int(m.group("tp")), pp), {})[ep] = child / file_name
     if not ranks:
         raise InvalidInputError(f"{src}: no mp_rank_*/{file_name} files")
     pp_ranks = {pp for _, pp in ranks}
@@ -764,9 +783,16 @@ def _merge_ep(local: Mapping[int, Mapping[str, Any]], ep: int) -> tuple[dict[str
                     merged[k].append(v)
                 elif r == 0:
                     merged[k] = v
+    local_shapes: dict[str, tuple[int, ...]] = {}
     for k in list(merged):
-        if isinstance(merged[k], list):  # GroupedMLP weight1 (hidden, El*f) / weight2 (El*f, hidden)
-            merged[k] = torch.cat(merged[k], dim=0 if k.endswith("weight2") else 1)
+        if isinstance(merged[k], list):
+            # GroupedMLP weight1 (hidden, El*f) / weight2 (El*f, hidden): read as view(El, ...) of the
+            # flat buffer, so the global buffer is the ranks' flat buffers end to end
+            parts = merged[k]
+            rows, cols = _shape(parts[0])
+            local_shapes[k] = (rows, cols)
+            flat = torch.cat([t.reshape(-1) for t in parts])
+            merged[k] = flat.reshape(rows * ep, cols) if k.endswith("weight2") else flat.reshape(rows, cols * ep)
 
     def split(sd: Mapping[str, Any]) -> dict[int, dict]:
         out: dict[int, dict] = {r: {} for r in range(ep)}
@@ -780,8 +806,8 @@ def _merge_ep(local: Mapping[int, Mapping[str, Any]], ep: int) -> tuple[dict[str
                         break
                 else:
                     if _LEGACY_GROUPED.fullmatch(k):
-                        dim = 0 if k.endswith("weight2") else 1
-                        out[r][k] = torch.chunk(sd[k], ep, dim=dim)[r].clone()
+                        size = int(np.prod(local_shapes[k]))
+                        out[r][k] = sd[k].reshape(-1)[r * size : (r + 1) * size].reshape(local_shapes[k]).clone()
                     else:
                         # router and shared entries are replicas on every EP rank: the permuted
                         # value (computed from rank 0's) goes to all, an unchanged one stays
@@ -999,6 +1025,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("dst", help="destination directory (must not exist)")
     parser.add_argument("--layer-offsets", default="", help="megatron-legacy: PP:FIRST_LAYER,... per pipeline rank")
     parser.add_argument(
+        "--second-index", choices=["pp", "ep"], default=None, help="megatron-legacy: what NNN of mp_rank_TT_NNN is"
+    )
+    parser.add_argument(
         "--keep-router", action="store_true", help="DCP formats: move the experts only (for placement.runtime's map)"
     )
     args = parser.parse_args(argv)
@@ -1014,7 +1043,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not (pp.isdigit() and first.isdigit()):
                     raise InvalidInputError(f"--layer-offsets: expected PP:FIRST_LAYER, found {part!r}")
                 offsets[int(pp)] = int(first)
-            changed = permute_megatron_legacy(args.src, args.dst, args.permutation, layer_offsets=offsets or None)
+            changed = permute_megatron_legacy(
+                args.src, args.dst, args.permutation, layer_offsets=offsets or None, second_index=args.second_index
+            )
         else:
             changed = permute_orbax(args.src, args.dst, args.permutation)
     except InfeasibleError as exc:

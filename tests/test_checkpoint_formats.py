@@ -188,3 +188,83 @@ def test_torch_dist_unknown_expert_entry_stops_and_writes_nothing(tmp_path):
         ck.permute_dcp(tmp_path / "src", tmp_path / "dst", doc)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert ck.main(["megatron-torch-dist", "/nonexistent.json", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron legacy per-rank files (megatron/training/checkpointing.py get_checkpoint_name:
+# iter_NNNNNNN/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt, the file's "model" entry)
+# ---------------------------------------------------------------------------------------------
+def legacy_rank_files(torch, tmp_path, ep=2, grouped=False):
+    full = {k: torch.as_tensor(v) for k, v in megatron_sd(layer=0).items()}
+    full["decoder.layers.0.self_attention.linear_qkv.weight"] = torch.ones(3, 4)
+    root = tmp_path / "iter_0000005"
+    per = E // ep
+    for r in range(ep):
+        sd = {k: v for k, v in full.items() if "local_experts" not in k}
+        for j in range(per):
+            for fc in ("linear_fc1", "linear_fc2"):
+                sd[f"decoder.layers.0.mlp.experts.local_experts.{j}.{fc}.weight"] = full[
+                    f"decoder.layers.0.mlp.experts.local_experts.{r * per + j}.{fc}.weight"
+                ]
+        (root / f"mp_rank_00_{r:03d}").mkdir(parents=True)
+        torch.save({"model": sd, "iteration": 5, "checkpoint_version": 3.0}, root / f"mp_rank_00_{r:03d}" / "model_optim_rng.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    return full, root
+
+
+def test_legacy_per_rank_files_merged_permuted_split(tmp_path):
+    torch = pytest.importorskip("torch")
+    full, root = legacy_rank_files(torch, tmp_path)
+    doc = {"kind": PERMUTATION_KIND, "version": PERMUTATION_VERSION, "stack": "megatron", "num_experts": E, "layers": {"0": PERM}}
+    with pytest.raises(InvalidInputError, match="second_index"):
+        ck.permute_megatron_legacy(root, tmp_path / "out", doc)
+    ck.permute_megatron_legacy(root, tmp_path / "out", doc, second_index="ep")
+    want = ck.apply_permutation(full, {0: PERM}, stack="megatron")
+    for r in range(2):
+        got = torch.load(tmp_path / "out" / f"mp_rank_00_{r:03d}" / "model_optim_rng.pt", weights_only=False)
+        assert got["iteration"] == 5
+        sd = got["model"]
+        assert torch.equal(sd["decoder.layers.0.mlp.router.weight"], want["decoder.layers.0.mlp.router.weight"])
+        assert torch.equal(sd["decoder.layers.0.self_attention.linear_qkv.weight"], torch.ones(3, 4))
+        for j in range(E // 2):
+            key = f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1.weight"
+            assert torch.equal(sd[key], want[f"decoder.layers.0.mlp.experts.local_experts.{r * 4 + j}.linear_fc1.weight"])
+
+
+def test_legacy_grouped_gemm_weights_across_ep_ranks(tmp_path):
+    """GroupedMLP: weight1 (hidden, El*f) read as view(El, hidden, -1) of the rank's flat buffer."""
+    torch = pytest.importorskip("torch")
+    hidden, f, ep = 4, 3, 2
+    per = E // ep
+    w1 = torch.randn(E, hidden, f)  # expert e's fc1 as GroupedMLP.forward sees it
+    w2 = torch.randn(E, f, hidden)
+    root = tmp_path / "iter_0000001"
+    for r in range(ep):
+        sd = {
+            "decoder.layers.0.mlp.router.weight": torch.arange(E * 2, dtype=torch.float32).reshape(E, 2),
+            "decoder.layers.0.mlp.experts.weight1": w1[r * per : (r + 1) * per].reshape(hidden, -1),
+            "decoder.layers.0.mlp.experts.weight2": w2[r * per : (r + 1) * per].reshape(-1, hidden),
+        }
+        (root / f"mp_rank_00_{r:03d}").mkdir(parents=True)
+        torch.save({"model": sd}, root / f"mp_rank_00_{r:03d}" / "model_optim_rng.pt")
+    doc = {"kind": PERMUTATION_KIND, "version": PERMUTATION_VERSION, "num_experts": E, "layers": {"0": PERM}}
+    ck.permute_megatron_legacy(root, tmp_path / "out", doc, second_index="ep")
+    for r in range(ep):
+        sd = torch.load(tmp_path / "out" / f"mp_rank_00_{r:03d}" / "model_optim_rng.pt", weights_only=False)["model"]
+        got1 = sd["decoder.layers.0.mlp.experts.weight1"].view(per, hidden, -1)
+        got2 = sd["decoder.layers.0.mlp.experts.weight2"].view(per, -1, hidden)
+        for j in range(per):
+            assert torch.equal(got1[j], w1[PERM[r * per + j]]) and torch.equal(got2[j], w2[PERM[r * per + j]])
+
+
+def test_legacy_optimizer_state_keyed_by_index_is_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    _, root = legacy_rank_files(torch, tmp_path)
+    path = root / "mp_rank_00_001" / "model_optim_rng.pt"
+    obj = torch.load(path, weights_only=False)
+    obj["optimizer"] = {"optimizer": {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": []}}
+    torch.save(obj, path)
+    doc = {"kind": PERMUTATION_KIND, "version": PERMUTATION_VERSION, "num_experts": E, "layers": {"0": PERM}}
+    with pytest.raises(InvalidInputError, match=r"mp_rank_00_001/model_optim_rng.pt: optimizer"):
+        ck.permute_megatron_legacy(root, tmp_path / "out", doc, second_index="ep")
+    assert not (tmp_path / "out").exists()
