@@ -856,7 +856,7 @@ def permute_orbax(
     list of str
         Paths (``a/b/c``) of the permuted leaves, sorted.
     """
-    import orbax.checkpoint as ocp  # type: ignore[import-untyped]
+    import orbax.checkpoint as ocp
 
     layers, meta = read_expert_permutation(doc if isinstance(doc, str) else dict(doc))
     groups = _doc_groups(meta) if num_groups is None else num_groups
