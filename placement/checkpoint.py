@@ -51,7 +51,7 @@ from typing import Any, Literal
 import numpy as np
 
 from placement.model import InfeasibleError, InvalidInputError, PlacementError
-from placement.permutation import check_permutation, read_expert_permutation
+from placement.permutation import MAXTEXT_EXPERT_PATHS, PARAMETER_NAMES, check_permutation, read_expert_permutation
 
 __all__ = [
     "Stack",
@@ -70,56 +70,6 @@ __all__ = [
 Stack = Literal["megatron", "torchtitan", "hf"]
 STACKS: tuple[Stack, ...] = ("megatron", "torchtitan", "hf")
 Form = Literal["state_dict", "torch_dist", "orbax"]
-
-# What is written into the exported permutation document (placement.export reads this table).
-PARAMETER_NAMES: dict[str, dict[str, Any]] = {
-    "megatron": {
-        "router_weight": "decoder.layers.{layer}.mlp.router.weight",
-        "experts": [
-            "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.* (SequentialMLP)",
-            "decoder.layers.{layer}.mlp.experts.linear_fc1.weight{expert}, linear_fc2.weight{expert} (TEGroupedMLP)",
-            "decoder.layers.{layer}.mlp.experts.weight1 / weight2 (GroupedMLP, view(E, hidden, -1) / view(E, -1, hidden))",
-            "torch_dist: decoder.layers.mlp.experts.experts.* [layers, experts, ...] and "
-            "decoder.layers.mlp.experts.experts.{expert}.* (singleton_local_shards); "
-            "_extra_state objects .../shard_{layer}.{expert}_{L}.{E}",
-        ],
-        "rows": [
-            "decoder.layers.{layer}.mlp.router.* (weight, bias, expert_bias and any other router tensor: experts on dim 0)",
-            "torch_dist: decoder.layers.mlp.router.* [layers, experts, ...]",
-            "optimizer: optimizer.state.{exp_avg,exp_avg_sq,fp32_param,...}.<any of the above>",
-        ],
-    },
-    "torchtitan": {
-        "router_weight": "layers.{layer}.moe.router.gate.weight",
-        "experts": [
-            "layers.{layer}.moe.routed_experts.inner_experts.w1_EFD, w2_EDF, w3_EFD (experts on dim 0)",
-            "layers.{layer}.moe.experts.w1, w2, w3 (older names)",
-        ],
-        "rows": [
-            "layers.{layer}.moe.router.* (gate.weight, gate.bias)",
-            "layers.{layer}.moe.expert_bias_E, tokens_per_expert_E (older: expert_bias, tokens_per_expert)",
-            "optimizer: optimizer.state.<any of the above>.<exp_avg, exp_avg_sq, ...>",
-        ],
-    },
-    "hf": {
-        "router_weight": "model.layers.{layer}.mlp.gate.weight",
-        "experts": ["model.layers.{layer}.mlp.experts.{expert}.* (gate_proj, up_proj, down_proj, their scales)"],
-        "rows": ["model.layers.{layer}.mlp.gate.weight", "model.layers.{layer}.mlp.gate.e_score_correction_bias"],
-    },
-}
-
-# MaxText (src/MaxText/layers/moe.py, RoutedMoE): leaf name -> expert axis in the unscanned tensor.
-MAXTEXT_EXPERT_PATHS: dict[str, int] = {
-    "MoeBlock_0/wi_0": 0,  # (E, emb, mlp)
-    "MoeBlock_0/wi_1": 0,  # (E, emb, mlp)
-    "MoeBlock_0/wo": 0,  # (E, mlp, emb)
-    "MoeBlock_0/wi_0_bias": 0,  # (E, mlp)
-    "MoeBlock_0/wi_1_bias": 0,  # (E, mlp)
-    "MoeBlock_0/wo_bias": 0,  # (E, emb)
-    "MoeBlock_0/gate/kernel": 1,  # (emb, E)
-    "MoeBlock_0/gate/bias": 0,  # (E,)
-}
-
 
 # ---------------------------------------------------------------------------------------------
 # Which entries are per-expert, and along which axis
@@ -843,6 +793,9 @@ def permute_orbax(
     src, dst : path
         The PyTree checkpoint directory (a MaxText step's ``items``); destination, must not exist.
     doc : permutation document, its JSON text, or the path of its file
+        Either ``placement export --format megatron|torchtitan``'s permutation (keyed by model
+        layer) or ``placement export --format maxtext``'s document (``experts.layers`` keyed by
+        scan position; its ``experts.tensors`` must name the tensors this function permutes).
     scan_layers : sequence of int, optional
         Model layer index of each position along the scan axis; by default the document's MoE
         layers in order (MaxText's DeepSeek decoder scans its MoE layers as one stack).
@@ -858,8 +811,14 @@ def permute_orbax(
     """
     import orbax.checkpoint as ocp
 
-    layers, meta = read_expert_permutation(doc if isinstance(doc, str) else dict(doc))
-    groups = _doc_groups(meta) if num_groups is None else num_groups
+    maxtext = _maxtext_experts(doc)
+    if maxtext is not None:  # ``placement export --format maxtext``: rows are already scan positions
+        by_position, groups = maxtext
+        groups = groups if num_groups is None else num_groups
+        layers, scan_layers = by_position, list(range(max(by_position, default=-1) + 1))
+    else:
+        layers, meta = read_expert_permutation(doc if isinstance(doc, str) else dict(doc))
+        groups = _doc_groups(meta) if num_groups is None else num_groups
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if not src.is_dir():
         raise InvalidInputError(f"{src}: not an Orbax checkpoint directory")
@@ -904,6 +863,52 @@ def permute_orbax(
 
     _write_dir(dst, write)
     return changed
+
+
+MAXTEXT_DOC_KIND = "placement.maxtext"
+
+
+def _maxtext_experts(doc: Mapping[str, Any] | str) -> tuple[dict[int, np.ndarray], int] | None:
+    """``({scan position: phy2log}, num_groups)`` of a ``placement.maxtext`` document, else None.
+
+    Its ``experts.tensors`` (path, expert axis, layer axis) must agree with
+    :data:`MAXTEXT_EXPERT_PATHS` at scan axis 1, so both ends name the same tensors.
+    """
+    import json
+
+    if isinstance(doc, str):
+        text = doc
+        if not doc.lstrip().startswith("{"):
+            try:
+                text = Path(doc).read_text(encoding="utf-8")
+            except OSError:
+                return None
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(doc, Mapping) or doc.get("kind") != MAXTEXT_DOC_KIND:
+        return None
+    experts = doc.get("experts")
+    if not isinstance(experts, Mapping) or not isinstance(experts.get("layers"), Mapping):
+        raise InvalidInputError("maxtext: experts.layers: expected an object of scan position -> permutation")
+    for t in experts.get("tensors", []):
+        path = str(t.get("path", ""))
+        leaf = next((k for k in MAXTEXT_EXPERT_PATHS if path == k or path.endswith("/" + k)), None)
+        axis = None if leaf is None else MAXTEXT_EXPERT_PATHS[leaf]
+        want = None if axis is None else (axis if axis < 1 else axis + 1, 1)
+        if want != (t.get("expert_axis"), t.get("layer_axis")):
+            raise InvalidInputError(
+                f"maxtext: experts.tensors: {t.get('path')!r} with expert axis {t.get('expert_axis')} and layer axis "
+                f"{t.get('layer_axis')} is not a tensor this permutation knows as such"
+            )
+    layers = {}
+    for key, row in experts["layers"].items():
+        if not str(key).isdigit():
+            raise InvalidInputError(f"maxtext: experts.layers: key {key!r} is not a scan position")
+        layers[int(key)] = np.asarray(row, dtype=np.int64)
+    groups = int(experts.get("num_groups", 1)) if experts.get("group_limited") else 1
+    return dict(sorted(layers.items())), groups
 
 
 def _flatten_tree(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -26,6 +26,8 @@ __all__ = [
     "read_expert_permutation",
     "check_permutation",
     "inverse_permutation",
+    "PARAMETER_NAMES",
+    "MAXTEXT_EXPERT_PATHS",
 ]
 
 PERMUTATION_DIRECTION = (
@@ -34,6 +36,56 @@ PERMUTATION_DIRECTION = (
 )
 PERMUTATION_KIND = "placement.expert_permutation"
 PERMUTATION_VERSION = 1
+
+# Per stack, the entry names that follow their expert (written into the exported document; the
+# rules that apply them are in placement.checkpoint).
+PARAMETER_NAMES: dict[str, dict[str, Any]] = {
+    "megatron": {
+        "router_weight": "decoder.layers.{layer}.mlp.router.weight",
+        "experts": [
+            "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.* (SequentialMLP)",
+            "decoder.layers.{layer}.mlp.experts.linear_fc1.weight{expert}, linear_fc2.weight{expert} (TEGroupedMLP)",
+            "decoder.layers.{layer}.mlp.experts.weight1 / weight2 (GroupedMLP, view(E, hidden, -1) / view(E, -1, hidden))",
+            "torch_dist: decoder.layers.mlp.experts.experts.* [layers, experts, ...] and "
+            "decoder.layers.mlp.experts.experts.{expert}.* (singleton_local_shards); "
+            "_extra_state objects .../shard_{layer}.{expert}_{L}.{E}",
+        ],
+        "rows": [
+            "decoder.layers.{layer}.mlp.router.* (weight, bias, expert_bias and any other router tensor: experts on dim 0)",
+            "torch_dist: decoder.layers.mlp.router.* [layers, experts, ...]",
+            "optimizer: optimizer.state.{exp_avg,exp_avg_sq,fp32_param,...}.<any of the above>",
+        ],
+    },
+    "torchtitan": {
+        "router_weight": "layers.{layer}.moe.router.gate.weight",
+        "experts": [
+            "layers.{layer}.moe.routed_experts.inner_experts.w1_EFD, w2_EDF, w3_EFD (experts on dim 0)",
+            "layers.{layer}.moe.experts.w1, w2, w3 (older names)",
+        ],
+        "rows": [
+            "layers.{layer}.moe.router.* (gate.weight, gate.bias)",
+            "layers.{layer}.moe.expert_bias_E, tokens_per_expert_E (older: expert_bias, tokens_per_expert)",
+            "optimizer: optimizer.state.<any of the above>.<exp_avg, exp_avg_sq, ...>",
+        ],
+    },
+    "hf": {
+        "router_weight": "model.layers.{layer}.mlp.gate.weight",
+        "experts": ["model.layers.{layer}.mlp.experts.{expert}.* (gate_proj, up_proj, down_proj, their scales)"],
+        "rows": ["model.layers.{layer}.mlp.gate.weight", "model.layers.{layer}.mlp.gate.e_score_correction_bias"],
+    },
+}
+
+# MaxText (src/MaxText/layers/moe.py, RoutedMoE): leaf name -> expert axis in the unscanned tensor.
+MAXTEXT_EXPERT_PATHS: dict[str, int] = {
+    "MoeBlock_0/wi_0": 0,  # (E, emb, mlp)
+    "MoeBlock_0/wi_1": 0,  # (E, emb, mlp)
+    "MoeBlock_0/wo": 0,  # (E, mlp, emb)
+    "MoeBlock_0/wi_0_bias": 0,  # (E, mlp)
+    "MoeBlock_0/wi_1_bias": 0,  # (E, mlp)
+    "MoeBlock_0/wo_bias": 0,  # (E, emb)
+    "MoeBlock_0/gate/kernel": 1,  # (emb, E)
+    "MoeBlock_0/gate/bias": 0,  # (E,)
+}
 
 
 def parse_expert_permutation(doc: Mapping[str, Any] | str) -> tuple[dict[int, np.ndarray], dict]:

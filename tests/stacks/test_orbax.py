@@ -98,3 +98,26 @@ def test_orbax_unknown_leaf_under_moe_block_is_refused(tmp_path):
     with pytest.raises(InvalidInputError, match="MoeBlock_0/odd"):
         ck.permute_orbax(tmp_path / "src", tmp_path / "dst", doc)
     assert not (tmp_path / "dst").exists()
+
+
+def test_orbax_with_the_maxtext_export_document(tmp_path):
+    """The document ``placement export --format maxtext`` writes: rows keyed by scan position."""
+    p = params(1)
+    with ocp.PyTreeCheckpointer() as c:
+        c.save(str(tmp_path / "src"), p)
+    block = "decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0"
+    tensors = [{"path": f"{block}/wi_0", "expert_axis": 0, "layer_axis": 1},
+               {"path": f"{block}/gate/kernel", "expert_axis": 2, "layer_axis": 1},
+               {"path": f"{block}/gate/bias", "expert_axis": 0, "layer_axis": 1}]
+    doc = {"kind": "placement.maxtext", "version": 1, "experts": {
+        "num_experts": NUM_EXPERTS, "num_groups": 2, "group_limited": True, "tree_root": "params/params",
+        "tensors": tensors, "layers": {"0": GROUP_PRESERVING, "1": list(range(NUM_EXPERTS))}}}
+    ck.permute_orbax(tmp_path / "src", tmp_path / "dst", doc)
+    with ocp.PyTreeCheckpointer() as c:
+        back = c.restore(str(tmp_path / "dst"), item=p)
+    get = lambda t: t["params"]["decoder"]["moe_layers"]["DeepSeekMoeBlock_0"]["MoeBlock_0"]["gate"]["kernel"]  # noqa: E731
+    assert np.array_equal(np.asarray(get(back))[:, 0], get(p)[:, 0][:, GROUP_PRESERVING])
+    assert np.array_equal(np.asarray(get(back))[:, 1], get(p)[:, 1])
+    bad = {**doc, "experts": {**doc["experts"], "tensors": [{**tensors[0], "expert_axis": 1}]}}
+    with pytest.raises(InvalidInputError, match="wi_0"):
+        ck.permute_orbax(tmp_path / "src", tmp_path / "dst2", bad)
