@@ -47,6 +47,13 @@ import numpy as np
 from placement.checker import check, deepep_violations, group_breaks
 from placement.formats import atomic_write_text, read_instance, read_placement
 from placement.model import InfeasibleError, Instance, InvalidInputError, Placement, PlacementError
+from placement.permutation import (
+    PARAMETER_NAMES,
+    PERMUTATION_DIRECTION,
+    PERMUTATION_KIND,
+    PERMUTATION_VERSION,
+    parse_expert_permutation,
+)
 
 __all__ = [
     "ExportFormat",
@@ -84,18 +91,9 @@ FORMATS: tuple[ExportFormat, ...] = (
 # Formats that can be written from the placement file alone (no layer indices, hosts or domains).
 _WITHOUT_INSTANCE: frozenset[str] = frozenset({"vllm"})
 
-PERMUTATION_DIRECTION = (
-    "new expert slot p takes old expert layers[l][p]: W_new[p] = W_old[layers[l][p]] for the expert "
-    "weights, the router weight rows and the per-expert bias"
-)
-PERMUTATION_KIND = "placement.expert_permutation"
-
-
 class LaunchWarning(UserWarning):
     """The export is complete, but a way of launching it will not work (e.g. torchrun for a layout
     whose hosts hold non-contiguous ranks); the CLI prints it as one ``warning:`` line."""
-
-PERMUTATION_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +342,6 @@ def expert_permutation(instance: Instance, placement: Placement, stack: Literal[
         When the model uses group-limited routing and a layer's permutation moves an expert to
         another group (that would change which experts a token may reach).
     """
-    from placement.checkpoint import PARAMETER_NAMES
-
     m = instance.model
     p2l = np.asarray(placement.phy2log, dtype=np.int64)
     breaks = group_breaks(p2l, m.num_experts, m.num_groups)
@@ -372,37 +368,6 @@ def expert_permutation(instance: Instance, placement: Placement, stack: Literal[
         "parameter_names": {k: PARAMETER_NAMES[stack][k] for k in ("router_weight", "rows", "experts")},
         "layers": {str(layer): [int(x) for x in row] for layer, row in zip(m.moe_layers, p2l)},
     }
-
-
-def parse_expert_permutation(doc: dict | str) -> tuple[dict[int, np.ndarray], dict]:
-    """``({layer index: (E,) phy2log}, document)`` back from :func:`expert_permutation`.
-
-    Raises
-    ------
-    InvalidInputError
-        When the document is not a permutation file or a layer's row is not a permutation.
-    """
-    doc = _as_doc(doc, "expert permutation")
-    if doc.get("kind") != PERMUTATION_KIND or doc.get("version") != PERMUTATION_VERSION:
-        raise InvalidInputError(
-            f"permutation: expected kind {PERMUTATION_KIND!r} version {PERMUTATION_VERSION}, "
-            f"found {doc.get('kind')!r} version {doc.get('version')!r}"
-        )
-    raw = doc.get("layers")
-    if not isinstance(raw, dict) or not raw:
-        raise InvalidInputError("permutation: layers: expected an object of layer index -> permutation")
-    num_experts = doc.get("num_experts")
-    layers: dict[int, np.ndarray] = {}
-    for key, row in raw.items():
-        if not re.fullmatch(r"\d+", key):
-            raise InvalidInputError(f"permutation: layers: key {key!r} is not a layer index")
-        perm = np.asarray(row, dtype=np.int64)
-        if perm.ndim != 1 or (num_experts is not None and perm.size != num_experts):
-            raise InvalidInputError(f"permutation: layers.{key}: expected {num_experts} expert ids, found shape {perm.shape}")
-        if sorted(perm.tolist()) != list(range(perm.size)):
-            raise InvalidInputError(f"permutation: layers.{key}: not a permutation of 0..{perm.size - 1}")
-        layers[int(key)] = perm
-    return dict(sorted(layers.items())), doc
 
 
 # ---------------------------------------------------------------------------------------------

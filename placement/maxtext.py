@@ -134,7 +134,7 @@ def maxtext_export(instance: Instance, placement: Placement) -> dict:
         tp or cp above 1, MoE layers that are not the model's last layers, or a group-breaking
         permutation under group-limited routing.
     """
-    from placement.export import PERMUTATION_DIRECTION
+    from placement.permutation import PERMUTATION_DIRECTION
 
     problem = _refusal(instance)
     if problem:

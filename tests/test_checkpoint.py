@@ -234,7 +234,7 @@ def test_refusals_name_the_problem():
         ck.apply_permutation(sd, {3: [0] * E}, stack="megatron")
     with pytest.raises(InvalidInputError, match="has no 'decoder.layers.4.mlp.router.weight'"):
         ck.apply_permutation(sd, {4: list(range(E))}, stack="megatron")
-    with pytest.raises(InvalidInputError, match="8 expert rows, but the permutation has 4"):
+    with pytest.raises(InvalidInputError, match=r"router.weight: expected 4 experts along dim 0, found shape \(8, 8\)"):
         ck.apply_permutation(sd, {3: [0, 1, 2, 3]}, stack="megatron")
     shard = {k: v for k, v in sd.items() if "local_experts.7." not in k}  # one EP shard is missing
     with pytest.raises(InvalidInputError, match="merge the expert-parallel shards"):
@@ -242,10 +242,13 @@ def test_refusals_name_the_problem():
     with pytest.raises(InvalidInputError, match="stack"):
         ck.apply_permutation(sd, {3: list(range(E))}, stack="deepspeed")  # type: ignore[arg-type]
     packed = {**sd, "decoder.layers.3.mlp.experts.linear_fc1.weight": np.zeros((E, 4, 2))}  # an unknown layout
-    with pytest.raises(InvalidInputError, match="does not know how to permute"):
+    with pytest.raises(InvalidInputError, match="linear_fc1.weight: an expert or router entry whose expert axis this permutation cannot identify"):
         ck.apply_permutation(packed, {3: list(range(E))}, stack="megatron")
-    shared = {**sd, "decoder.layers.3.mlp.experts.linear_fc1._extra_state": object()}  # TE per-GEMM metadata
-    assert ck.apply_permutation(shared, {3: list(range(E))}, stack="megatron").keys() == shared.keys()
+    empty = {**sd, "decoder.layers.3.mlp.experts.linear_fc1._extra_state": None}  # TE without FP8: nothing per expert
+    assert ck.apply_permutation(empty, {3: list(range(E))}, stack="megatron").keys() == empty.keys()
+    fp8 = {**sd, "decoder.layers.3.mlp.experts.linear_fc1._extra_state": object()}  # TE's packed per-GEMM FP8 scales
+    with pytest.raises(InvalidInputError, match="linear_fc1._extra_state: per-expert FP8 scaling state"):
+        ck.apply_permutation(fp8, {3: list(range(E))}, stack="megatron")
     with pytest.raises(InvalidInputError, match="no expert weights"):
         ck.apply_permutation(
             {"layers.3.moe.router.gate.weight": np.zeros((E, 2))}, {3: list(range(E))}, stack="torchtitan"

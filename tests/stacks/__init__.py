@@ -1,0 +1,1 @@
+"""Tests against the training stacks' own code (skipped when a stack is not installed)."""
