@@ -440,7 +440,7 @@ class StepTimeModel:
         self.dense_params_per_gpu = dense_p / par.tp
         self.expert_params_per_gpu = expert_p
         self._bytes_per_param = perf.grad_reduce_bytes_per_param + perf.param_gather_bytes_per_param
-        self._rs_share = perf.grad_reduce_bytes_per_param / self._bytes_per_param
+        self._rs_share = perf.grad_reduce_bytes_per_param / self._bytes_per_param if self._bytes_per_param else 0.5
         self._nic_bps = cl.scaleout_gbps * 1e9
         self._nvl_bps = cl.nvlink_gbps * 1e9
         self.flops_per_token = model_flops_per_token(instance)
