@@ -246,3 +246,18 @@ def test_step_time_model_is_deterministic():
     a = StepTimeModel(TINY).predict_metrics(evaluate(TINY, pl), pl.rank2gpu)
     b = StepTimeModel(TINY).predict_metrics(evaluate(TINY, pl), pl.rank2gpu)
     assert a == b and np.isfinite(a.step_time_s)
+
+
+def test_in_rack_balanced_job_is_compute_bound_up_to_the_bubble():
+    # Every EP group inside one rack (no cross-domain byte), forced-balanced routing, no DP bytes:
+    # the NVLink all-to-all hides behind compute in the steady state; only the warm-up/cool-down
+    # bubble, which has no partner micro-batch, shows it.
+    inst = point_instance(POINTS[FITTED_POINT], CALIBRATED_GEMM_EFFICIENCY, tokens_per_source=2)
+    perf = dataclasses.replace(inst.performance, grad_reduce_bytes_per_param=0.0, param_gather_bytes_per_param=0.0)
+    inst = dataclasses.replace(inst, performance=perf)
+    pl = default_placement(inst)
+    m = evaluate(inst, pl)
+    assert m.cross_domain_bytes_per_step == 0.0
+    pred = StepTimeModel(inst).predict_metrics(m, pl.rank2gpu)
+    assert pred.step_time_s >= pred.compute_bound_step_time_s
+    assert pred.step_time_s == pytest.approx(pred.compute_bound_step_time_s, rel=1e-3)
