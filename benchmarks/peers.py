@@ -67,6 +67,8 @@ _SCALARS = (
     "remote_experts_per_token",
     "alltoall_time_s_per_step",
     "cross_domain_bytes_per_stage",
+    "predicted_step_time_s",
+    "predicted_tflops_per_gpu",
 )
 
 
@@ -216,31 +218,38 @@ def _bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
+def _tflops(x: float | None) -> str:
+    """Predicted TFLOP/s per GPU (placement.performance), n/a without a performance block."""
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
 def markdown_table(result: dict) -> str:
     """The instance's table (bytes per optimizer step, decimal units) and its target line."""
     head = (
         "| solver | cross-domain bytes/step, sampled | held-out | ratio to best peer (held-out) "
-        "| busiest NIC bytes/step (held-out) | expert load max/mean (held-out) | wall s | group-preserving |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+        "| busiest NIC bytes/step (held-out) | expert load max/mean (held-out) | wall s | group-preserving "
+        "| predicted TFLOP/s per GPU (held-out) |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
     )
     lines = [f"**{result['instance']}** ({result['cost_mode']})", "", head]
     for r in result["rows"]:
         name = r["label"] + (f" ({r['time_limit_s']:g} s limit)" if r["solver"] == OURS else "")
         if "metrics" not in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | | | |")
             continue
         m = r["metrics"]
         lines.append(
             f"| {name} | {_bytes(m['cross_domain_bytes_per_step'])} | {_bytes(m['heldout_cross_domain_bytes_per_step'])} "
             f"| {r.get('ratio_to_best_peer', float('nan')):.3f} | {_bytes(m['heldout_max_gpu_cross_domain_bytes_per_step'])} "
-            f"| {m['heldout_expert_load_max_over_mean']:.3f} | {r['wall_s']:.1f} | {'yes' if r['group_preserving'] else 'no'} |"
+            f"| {m['heldout_expert_load_max_over_mean']:.3f} | {r['wall_s']:.1f} | {'yes' if r['group_preserving'] else 'no'} "
+            f"| {_tflops(m.get('heldout_predicted_tflops_per_gpu'))} |"
         )
     bound = result["bound"]
     if bound is None or (bound["partial"] and bound["bytes"] == 0):
-        lines.append("| lower bound | n/a | | | | | | |")
+        lines.append("| lower bound | n/a | | | | | | | |")
     else:
         what = "ours, its search space" + (", layers without one count 0" if bound["partial"] else "")
-        lines.append(f"| lower bound ({what}) | {_bytes(bound['bytes'])} | | | | | | |")
+        lines.append(f"| lower bound ({what}) | {_bytes(bound['bytes'])} | | | | | | | |")
     t = result["target"]
     if t.get("met") is None:
         lines.append(f"\ntarget: not checked ({t.get('note')}); best peer on held-out tokens: {t['best_peer']}")

@@ -42,9 +42,10 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from placement.checker import check, check_or_raise
-from placement.cost import report
+from placement.cost import Window, evaluate, report
 from placement.formats import placement_document, read_instance, read_placement, write_placement
 from placement.model import Instance, InvalidInputError, Placement, PlacementError, SolverError
+from placement.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
     from placement.verify import VerifyReport
@@ -60,6 +61,7 @@ __all__ = [
     "load_placement",
     "check_placement",
     "evaluate_placement",
+    "predict_performance",
     "solver_names",
     "estimate_finish_s",
     "solver_budget_s",
@@ -144,6 +146,23 @@ def evaluate_placement(instance: Instance, placement: Placement) -> dict[str, An
     """
     check_or_raise(instance, placement)
     return report(instance, placement)
+
+
+def predict_performance(instance: Instance, placement: Placement, *, window: Window = "heldout") -> Prediction:
+    """Predicted step time, tokens/s and TFLOP/s per GPU of ``placement`` on one routing window.
+
+    The same figures as the report's ``predicted_*`` keys (:mod:`placement.performance`), typed.
+
+    Raises
+    ------
+    InvalidInputError
+        The placement violates the instance, or the instance has no ``performance`` block.
+    """
+    check_or_raise(instance, placement)
+    if instance.performance is None:
+        raise InvalidInputError(f"{instance.name}: performance: the instance has no performance block")
+    metrics = evaluate(instance, placement, window=window)
+    return StepTimeModel(instance).predict_metrics(metrics, placement.rank2gpu)
 
 
 def solver_names() -> list[str]:

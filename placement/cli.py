@@ -78,7 +78,20 @@ def _summary_lines(title: str, m: dict) -> list[str]:
     row("remote experts per token", "remote_experts_per_token", lambda v: f"{v:.3f}")
     row("expert load max/mean (worst layer)", "expert_load_max_over_mean", lambda v: f"{v:.3f}")
     row("all-to-all time, slowest stage", "alltoall_time_s_per_step", lambda v: f"{v:.2f} s")
+    if "predicted_step_time_s" in m:  # the instance has a performance block
+        for label, key, fmt in _PREDICTED_ROWS:
+            row(label, key, fmt)
     return lines
+
+
+# Predicted step time rows (placement.performance): label, report key without prefix, format.
+_PREDICTED_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
+    ("predicted step time", "predicted_step_time_s", lambda v: f"{v:.4g} s"),
+    ("predicted tokens/s per GPU", "predicted_tokens_per_s_per_gpu", lambda v: f"{v:,.0f}"),
+    ("predicted TFLOP/s per GPU", "predicted_tflops_per_gpu", lambda v: f"{v:,.1f}"),
+    ("predicted exposed all-to-all", "predicted_exposed_alltoall_s_per_step", lambda v: f"{v:.4g} s"),
+    ("predicted pipeline bubble share", "predicted_bubble_share", lambda v: f"{v:.3f}"),
+]
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -205,6 +218,14 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     ]:
         ratio = m[key] / b[key] if b[key] else float("nan")
         print(f"  {label:<38}{fmt(b[key]):>16}{fmt(m[key]):>16}{ratio:>8.3f}")
+    if "predicted_step_time_s" in m:  # the instance has a performance block
+        for prefix, window in (("", "sampled"), ("heldout_", "h-o")):
+            for label, key, fmt in _PREDICTED_ROWS:
+                k = prefix + key
+                if k in m and k in b:
+                    ratio = m[k] / b[k] if b[k] else float("nan")
+                    text = f"{label.replace('predicted ', '')} ({window})"
+                    print(f"  {text:<38}{fmt(b[k]):>16}{fmt(m[k]):>16}{ratio:>8.3f}")
     print("\n".join(_footprint_lines(instance, result)))
     if args.output:
         print(f"  wrote {args.output}")

@@ -15,8 +15,10 @@ turn: ``t % (tp*cp)``), and goes to the GPUs of its EP group that host its top-k
 - ``per_pair`` (Megatron ``alltoall`` dispatcher, DeepEP low-latency): once per expert of the token
   hosted outside the source domain.
 
-One crossing costs ``2 * (dispatch + combine)`` fabric bytes per step (forward and backward), and
-puts ``dispatch + combine`` bytes on each end's NIC in each direction.  The source GPU's NIC is
+One crossing costs ``MoEModel.roundtrip_bytes_per_copy`` fabric bytes per step (the four transfers:
+forward dispatch and combine, and the gradient of each in the backward pass, each with its own bytes
+per copy), and puts ``MoEModel.nic_bytes_per_copy`` bytes on each end's NIC (its busier
+direction).  The source GPU's NIC is
 exact.  The receiving NIC is exact in ``per_pair`` (the expert's GPU); in ``per_domain`` the
 landing GPU is the RDMA peer chosen by the kernel, modelled as an even share over the EP group's
 GPUs in the remote domain (what DeepEP's same-local-index peer gives when the group holds equal
@@ -71,6 +73,7 @@ class Metrics:
     # (pp, ep_groups_per_stage): bytes of the tokens each EP group's ranks send; rows sum to
     # cross_domain_bytes_per_stage
     cross_domain_bytes_per_ep_group: list[list[float]]
+    alltoall_time_s_per_layer: list[float]  # (num_moe_layers,) slower of busiest NIC and NVLink port
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -279,7 +282,7 @@ def evaluate(
     nic *= weight * nic_copy
     nvl *= weight * nic_copy
     cross_per_layer = crossings_per_token.sum(axis=(1, 2)) * weight * fabric_copy
-    intra_per_layer = nvl.sum(axis=1) * 2.0  # each NVLink copy counted like a fabric copy
+    intra_per_layer = nvl.sum(axis=1) * (fabric_copy / nic_copy)  # each NVLink copy counted like a fabric copy
     cross_per_stage = np.bincount(layer_stage, weights=cross_per_layer, minlength=par.pp)
     # The same crossings, by the (stage, EP group) of the rank that sends each token.
     stage_group = layer_stage[:, None, None] * ngroups + src_group  # (L, dp, T)
@@ -317,6 +320,7 @@ def evaluate(
         expert_load_max_over_mean_per_layer=[float(x) for x in lmm],
         alltoall_time_s_per_stage=[float(x) for x in stage_time],
         cross_domain_bytes_per_ep_group=[[float(x) for x in row] for row in cross_per_group],
+        alltoall_time_s_per_layer=[float(x) for x in layer_time],
     )
 
 
@@ -336,4 +340,11 @@ def report(instance: Instance, placement: Placement) -> dict:
             if key not in ("cost_mode", "window"):
                 out[f"heldout_{key}"] = value
     out.pop("window", None)
+    if instance.performance is not None:  # predicted step time (placement.performance)
+        from placement.performance import StepTimeModel
+
+        step_model = StepTimeModel(instance)
+        out.update(step_model.predict_metrics(Metrics(**sampled), placement.rank2gpu).to_dict())
+        if instance.routing.heldout_topk is not None:
+            out.update(step_model.predict_metrics(Metrics(**held), placement.rank2gpu).to_dict("heldout_"))
     return out

@@ -8,6 +8,7 @@ expected and what was found.  Writers are atomic: a temporary file in the target
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -33,6 +34,15 @@ from placement.model import (
     Placement,
     Routing,
     SUPPORTED_ETP,
+)
+from placement.performance import (
+    EXPERT_LOAD_MODES,
+    GPU_KINDS,
+    OVERLAP_MODES,
+    PRECISIONS,
+    SCHEDULES,
+    Architecture,
+    Performance,
 )
 from placement.schema import Any_, Bool, Int, List, Num, Obj, Str, to_json_schema, validate
 
@@ -94,9 +104,31 @@ INSTANCE_SPEC = Obj(
                 "num_groups": Int("Expert groups of contiguous ids (n_group); 1 = none.", 1, 1_000_000),
                 "groups_per_token": Int("Groups a token may use (topk_group).", 1, 1_000_000),
                 "hidden_size": Int("Hidden size.", 1, 10_000_000, "elements"),
-                "dispatch_bytes_per_token": Int("Bytes of one dispatch copy of a token.", 1, MAX_INT, "bytes"),
-                "combine_bytes_per_token": Int("Bytes of one combine copy of a token.", 1, MAX_INT, "bytes"),
+                "dispatch_bytes_per_token": Int(
+                    "Bytes of one forward dispatch copy of a token (FP8 with scales: hidden + hidden/128*4).",
+                    1,
+                    MAX_INT,
+                    "bytes",
+                ),
+                "combine_bytes_per_token": Int(
+                    "Bytes of one forward combine copy of a token (BF16: 2*hidden).", 1, MAX_INT, "bytes"
+                ),
+                "dispatch_grad_bytes_per_token": Int(
+                    "Bytes of one backward dispatch copy (the dispatched token's gradient, expert to "
+                    "source); default BF16, 2*hidden.",
+                    1,
+                    MAX_INT,
+                    "bytes",
+                ),
+                "combine_grad_bytes_per_token": Int(
+                    "Bytes of one backward combine copy (the combined output's gradient, source to "
+                    "expert); default BF16, 2*hidden.",
+                    1,
+                    MAX_INT,
+                    "bytes",
+                ),
             },
+            optional=frozenset({"dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token"}),
         ),
         "parallel": Obj(
             "Megatron-Core parallel layout (expert tensor parallel etp, 1).",
@@ -162,9 +194,107 @@ INSTANCE_SPEC = Obj(
             },
             optional=frozenset({"generator"}),
         ),
+        "performance": Obj(
+            "Optional: what the predicted step time and TFLOP/s per GPU need (placement.performance).",
+            {
+                "gpu": Str("GPU kind: its dense peak FLOP/s per precision (docs/formats.md).", tuple(GPU_KINDS)),
+                "precision": Str("Precision of the GEMMs.", PRECISIONS),
+                "peak_tflops": Num(
+                    "Dense peak of one GPU in that precision, overriding the GPU kind's table value.",
+                    exclusive_minimum=0,
+                    unit="10^12 FLOP/s",
+                ),
+                "gemm_efficiency": Num(
+                    "Achieved fraction of the peak on the model's FLOPs (default: the calibrated value); "
+                    "at most 1.",
+                    exclusive_minimum=0,
+                ),
+                "layer_overhead_s": Num(
+                    "Fixed time per layer and micro-batch, forward plus backward (default 0).", minimum=0, unit="s"
+                ),
+                "schedule": Str("Pipeline schedule (1F1B, interleaved when vpp > 1).", SCHEDULES),
+                "vpp": Int(
+                    "Virtual pipeline stages per GPU; must divide every stage's layer slots (its layers, "
+                    "+1 embedding on the first stage, +MTP layers +1 output layer on the last).",
+                    1,
+                    1_000_000,
+                ),
+                "overlap": Str(
+                    "All-to-all overlap: none, or 1f1b (a micro-batch's all-to-all hides behind another's "
+                    "compute up to its length).",
+                    OVERLAP_MODES,
+                ),
+                "expert_load": Str(
+                    "routing: each GPU's share of the window's (token, expert) pairs; balanced: every GPU at "
+                    "the mean (forced-balanced benchmark runs).",
+                    EXPERT_LOAD_MODES,
+                ),
+                "grad_reduce_bytes_per_param": Num(
+                    "Bytes per parameter of the data-parallel gradient reduce-scatter (default 4, FP32).",
+                    minimum=0,
+                    unit="bytes",
+                ),
+                "param_gather_bytes_per_param": Num(
+                    "Bytes per parameter of the data-parallel parameter all-gather (default 2, BF16).",
+                    minimum=0,
+                    unit="bytes",
+                ),
+                "architecture": Obj(
+                    "The transformer's shape for the FLOP count (Megatron-Core's argument names).",
+                    {
+                        "attention": Str("mla (multi-head latent attention) or gqa (also MHA).", ("mla", "gqa")),
+                        "num_attention_heads": Int("Attention heads.", 1, 1_000_000),
+                        "ffn_hidden_size": Int("Dense layers' MLP hidden size.", 1, MAX_INT, "elements"),
+                        "moe_ffn_hidden_size": Int("One routed expert's hidden size.", 1, MAX_INT, "elements"),
+                        "shared_expert_ffn_hidden_size": Int(
+                            "Shared expert hidden size; 0 = none.", 0, MAX_INT, "elements"
+                        ),
+                        "vocab_size": Int("Padded vocabulary size.", 1, MAX_INT),
+                        "mtp_num_layers": Int("Multi-token-prediction layers (on the last stage).", 0, 1000),
+                        "swiglu": Bool("SwiGLU MLPs (three GEMMs) instead of two-GEMM MLPs."),
+                        "q_lora_rank": Int("MLA query LoRA rank; 0 = no query LoRA.", 0, MAX_INT),
+                        "kv_lora_rank": Int("MLA key/value LoRA rank.", 0, MAX_INT),
+                        "qk_head_dim": Int("MLA query/key head size without RoPE.", 0, MAX_INT),
+                        "qk_pos_emb_head_dim": Int("MLA RoPE part of the query/key head.", 0, MAX_INT),
+                        "v_head_dim": Int("MLA value head size.", 0, MAX_INT),
+                        "num_query_groups": Int("GQA key/value heads.", 0, 1_000_000),
+                        "kv_channels": Int("GQA head size.", 0, MAX_INT),
+                    },
+                    optional=frozenset(
+                        {
+                            "mtp_num_layers",
+                            "swiglu",
+                            "q_lora_rank",
+                            "kv_lora_rank",
+                            "qk_head_dim",
+                            "qk_pos_emb_head_dim",
+                            "v_head_dim",
+                            "num_query_groups",
+                            "kv_channels",
+                        }
+                    ),
+                ),
+            },
+            optional=frozenset(
+                {
+                    "peak_tflops",
+                    "gemm_efficiency",
+                    "layer_overhead_s",
+                    "schedule",
+                    "vpp",
+                    "overlap",
+                    "expert_load",
+                    "grad_reduce_bytes_per_param",
+                    "param_gather_bytes_per_param",
+                }
+            ),
+        ),
     },
-    optional=frozenset({"description"}),
+    optional=frozenset({"description", "performance"}),
 )
+
+_MLA_FIELDS = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+_GQA_FIELDS = ("num_query_groups", "kv_channels")
 
 PLACEMENT_SPEC = Obj(
     "Where every rank and every expert runs, with the metrics the evaluator gave it.",
@@ -405,6 +535,54 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
                 f"GPU {g} is in tray {list(tray)}, already unavailable as cluster.unavailable_trays[{down_trays[tray]}]",
             )
     _check_host_format(where, c.get("host_format", "rack{domain:02d}-tray{tray:02d}"), c)
+    if "performance" in doc:
+        _check_performance(doc, where)
+
+
+def _check_performance(doc: dict, where: Path) -> None:
+    perf, p = doc["performance"], doc["parallel"]
+    if perf.get("gemm_efficiency", 0.5) > 1:
+        raise _fail(where, "performance.gemm_efficiency", f"expected a fraction <= 1, found {perf['gemm_efficiency']}")
+    arch = perf["architecture"]
+    needed = _MLA_FIELDS if arch["attention"] == "mla" else _GQA_FIELDS
+    for key in needed:
+        if arch.get(key, 0) < 1:
+            raise _fail(
+                where, f"performance.architecture.{key}", f"expected an integer >= 1 for {arch['attention']} attention"
+            )
+    if arch["attention"] == "gqa" and arch["num_attention_heads"] % arch["num_query_groups"]:
+        raise _fail(where, "performance.architecture.num_query_groups", "must divide num_attention_heads")
+    vpp = perf.get("vpp", 1)
+    slots = [len(s) for s in p["stage_layers"]]
+    slots[0] += 1
+    slots[-1] += arch.get("mtp_num_layers", 0) + 1
+    for s, n in enumerate(slots):
+        if n % vpp:
+            raise _fail(
+                where,
+                "performance.vpp",
+                f"vpp={vpp} does not divide stage {s}'s {n} layer slots (layers, +1 embedding on the first "
+                "stage, +MTP layers +1 output layer on the last)",
+            )
+
+
+def _performance(doc: dict) -> Performance:
+    perf = doc["performance"]
+    arch = perf["architecture"]
+    architecture = Architecture(**{k: arch[k] for k in arch})
+    return Performance(**{k: v for k, v in perf.items() if k != "architecture"}, architecture=architecture)
+
+
+def performance_document(perf: Performance) -> dict:
+    """The ``performance`` block of an instance document, every field explicit."""
+    out: dict[str, Any] = {}
+    for key, value in dataclasses.asdict(perf).items():
+        if key == "peak_tflops" and not value:
+            continue
+        if key == "architecture":
+            value = {k: v for k, v in value.items() if v or k in ("shared_expert_ffn_hidden_size", "mtp_num_layers", "swiglu")}
+        out[key] = value
+    return out
 
 
 _HOST_FIELDS = ("domain", "tray", "host")
@@ -577,6 +755,8 @@ def read_instance(path: str | os.PathLike) -> Instance:
         hidden_size=m["hidden_size"],
         dispatch_bytes_per_token=m["dispatch_bytes_per_token"],
         combine_bytes_per_token=m["combine_bytes_per_token"],
+        dispatch_grad_bytes_per_token=m.get("dispatch_grad_bytes_per_token", 0),
+        combine_grad_bytes_per_token=m.get("combine_grad_bytes_per_token", 0),
     )
     parallel = ParallelLayout(
         tp=p["tp"],
@@ -617,6 +797,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
         description=doc.get("description", ""),
         sha256=digest,
         extra={"generator": doc["routing"].get("generator", {}), "path": str(where)},
+        performance=_performance(doc) if "performance" in doc else None,
     )
 
 
@@ -634,7 +815,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             trays.append([h // c.trays_per_domain, h % c.trays_per_domain])
         else:
             gpus.extend(g for g in members if not c.available[g])
-    return {
+    doc = {
         "schema_version": INSTANCE_SCHEMA_VERSION,
         "name": instance.name,
         "description": instance.description,
@@ -650,6 +831,8 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             "hidden_size": m.hidden_size,
             "dispatch_bytes_per_token": m.dispatch_bytes_per_token,
             "combine_bytes_per_token": m.combine_bytes_per_token,
+            "dispatch_grad_bytes_per_token": m.dispatch_grad_bytes_per_token,
+            "combine_grad_bytes_per_token": m.combine_grad_bytes_per_token,
         },
         "parallel": {
             "tp": p.tp,
@@ -677,6 +860,9 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
         },
         "routing": {"file": npz_name, "generator": instance.extra.get("generator", {})},
     }
+    if instance.performance is not None:
+        doc["performance"] = performance_document(instance.performance)
+    return doc
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

@@ -19,6 +19,7 @@ import numpy as np
 
 from placement.formats import write_instance
 from placement.generator import generate_routing
+from placement.performance import DEEPSEEK_V3, QWEN3_235B_A22B, Architecture, Performance
 from placement.model import (
     Cluster,
     Instance,
@@ -68,7 +69,22 @@ class InstanceSpec:
     nvlink_gbps: float = 900.0  # NVLink 5: 1.8 TB/s per GPU counting both directions = 900 GB/s each way
     scaleout_gbps: float = 100.0  # 800 Gb/s NIC per GPU = 100 GB/s each way (full duplex)
     source_mix_concentration: float | None = None
+    performance: Performance | None = None  # the step-time block (placement.performance)
 
+
+# GB300 NVL72, MXFP8 GEMMs, 1F1B with the all-to-all overlapped, the calibrated efficiency.
+_DSV3_GB300 = Performance(gpu="gb300", precision="mxfp8", architecture=DEEPSEEK_V3)
+_TINY_ARCH = Architecture(
+    attention="gqa",
+    num_attention_heads=4,
+    ffn_hidden_size=512,
+    moe_ffn_hidden_size=128,
+    shared_expert_ffn_hidden_size=128,
+    vocab_size=1024,
+    mtp_num_layers=1,
+    num_query_groups=2,
+    kv_channels=64,
+)
 
 SPECS: dict[str, InstanceSpec] = {
     s.name: s
@@ -103,6 +119,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=128,
             heldout_tokens_per_source=64,
             seed=1024,
+            performance=_DSV3_GB300,
         ),
         InstanceSpec(
             name="dsv3_256",
@@ -134,6 +151,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=128,
             heldout_tokens_per_source=64,
             seed=256,
+            performance=_DSV3_GB300,
         ),
         InstanceSpec(
             name="dsv3_ep256",
@@ -165,6 +183,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=32,
             heldout_tokens_per_source=16,
             seed=2560,
+            performance=_DSV3_GB300,
         ),
         InstanceSpec(
             name="qwen3_256",
@@ -196,6 +215,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=96,
             heldout_tokens_per_source=64,
             seed=128,
+            performance=Performance(gpu="gb300", precision="mxfp8", architecture=QWEN3_235B_A22B),
         ),
         InstanceSpec(
             name="tiny",
@@ -227,6 +247,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=32,
             heldout_tokens_per_source=32,
             seed=7,
+            performance=Performance(gpu="gb200", precision="bf16", architecture=_TINY_ARCH),
         ),
     ]
 }
@@ -306,6 +327,7 @@ def build(spec: InstanceSpec) -> Instance:
         routing=Routing(topk, held),
         cost_mode=spec.cost_mode,  # type: ignore[arg-type]
         description=spec.description,
+        performance=spec.performance,
         extra={
             "generator": {
                 "function": "placement.generator.generate_routing",

@@ -47,9 +47,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from placement.performance import Performance
 
 __all__ = [
     "CostMode",
@@ -131,8 +134,19 @@ class MoEModel:
     num_groups: int  # expert groups of contiguous ids (n_group); 1 = no group-limited routing
     groups_per_token: int  # topk_group; equals num_groups when routing is not group-limited
     hidden_size: int
-    dispatch_bytes_per_token: int  # one dispatch copy (FP8 + scales for DeepSeek-V3: 7,392 B)
-    combine_bytes_per_token: int  # one combine copy (BF16: 14,336 B)
+    dispatch_bytes_per_token: int  # forward dispatch, one copy (FP8 + scales for DeepSeek-V3: 7,392 B)
+    combine_bytes_per_token: int  # forward combine, one copy (BF16: 14,336 B)
+    # Backward of the dispatch: the gradient of each dispatched copy, expert GPU -> source GPU.
+    # 0 = BF16 (2 * hidden_size), resolved at construction.
+    dispatch_grad_bytes_per_token: int = 0
+    # Backward of the combine: the gradient of each combined copy, source GPU -> expert GPU.
+    # 0 = BF16 (2 * hidden_size), resolved at construction.
+    combine_grad_bytes_per_token: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token"):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, combine_bytes_bf16(self.hidden_size))
 
     @property
     def group_limited(self) -> bool:
@@ -147,19 +161,40 @@ class MoEModel:
         return len(self.moe_layers)
 
     @property
+    def transfer_bytes_per_copy(self) -> dict[str, int]:
+        """Bytes of one token copy in each of the four all-to-all transfers of a step.
+
+        Keys, in time order: ``forward_dispatch`` (source -> expert), ``forward_combine``
+        (expert -> source), ``backward_combine`` (the combine's gradient, source -> expert) and
+        ``backward_dispatch`` (the dispatch's gradient, expert -> source).
+        """
+        return {
+            "forward_dispatch": self.dispatch_bytes_per_token,
+            "forward_combine": self.combine_bytes_per_token,
+            "backward_combine": self.combine_grad_bytes_per_token,
+            "backward_dispatch": self.dispatch_grad_bytes_per_token,
+        }
+
+    @property
     def roundtrip_bytes_per_copy(self) -> int:
-        """Fabric bytes of one token copy over a step: dispatch + combine, forward and backward."""
-        return 2 * (self.dispatch_bytes_per_token + self.combine_bytes_per_token)
+        """Fabric bytes of one token copy over a step: the four transfers, forward and backward."""
+        return sum(self.transfer_bytes_per_copy.values())
 
     @property
     def nic_bytes_per_copy(self) -> int:
-        """Bytes one copy puts on each end's NIC in one direction over a step.
+        """Bytes one copy puts on each end's NIC in its busier direction over a step.
 
-        Forward dispatch leaves the source and the combine comes back; backward sends the combine
-        gradient out and the dispatch gradient back.  So each direction of each NIC carries
-        ``dispatch + combine`` bytes per copy.
+        The source's NIC sends the forward dispatch and the backward combine (the combine's
+        gradient) and receives the forward combine and the backward dispatch (the dispatch's
+        gradient); the expert end's NIC the reverse.  Each copy is priced at the busier of the two
+        directions, ``max(dispatch + combine_grad, combine + dispatch_grad)``: with the defaults
+        (FP8 dispatch, BF16 combine and gradients) 28,672 B for DeepSeek-V3, where the earlier
+        model, which priced the dispatch gradient as FP8, had 21,728 B.
         """
-        return self.dispatch_bytes_per_token + self.combine_bytes_per_token
+        return max(
+            self.dispatch_bytes_per_token + self.combine_grad_bytes_per_token,
+            self.combine_bytes_per_token + self.dispatch_grad_bytes_per_token,
+        )
 
 
 # Expert-tensor-parallel sizes the cost model and the solvers handle: each expert whole on one GPU.
@@ -348,6 +383,7 @@ class Instance:
     description: str = ""
     sha256: str = ""  # of the instance's files, set by the reader; identifies it in placements
     extra: dict = field(default_factory=dict, compare=False)  # provenance (generator parameters)
+    performance: Performance | None = None  # the optional step-time block (placement.performance)
 
     @property
     def experts_per_rank(self) -> int:

@@ -186,6 +186,17 @@ INSTANCE_CASES: list[tuple[str, Callable[[dict], None], str]] = [
     ("empty routing path", _set("routing", "file", ""), "routing.file"),
     ("routing path is a folder", _set("routing", "file", "."), "routing.file"),
     ("newline in a key", _set("model", "bad\nkey", 1), "model.bad\\nkey"),
+    # the performance block (predicted step time)
+    ("unknown GPU kind", _set("performance", "gpu", "h100"), "performance.gpu"),
+    ("negative efficiency", _set("performance", "gemm_efficiency", -0.3), "performance.gemm_efficiency"),
+    ("efficiency over 1", _set("performance", "gemm_efficiency", 1.5), "performance.gemm_efficiency"),
+    ("vpp not dividing a stage's layers", _set("performance", "vpp", 2), "performance.vpp"),
+    ("unknown overlap mode", _set("performance", "overlap", "dualpipe"), "performance.overlap"),
+    ("negative layer overhead", _set("performance", "layer_overhead_s", -1e-3), "performance.layer_overhead_s"),
+    ("misspelt performance key", _set("performance", "gemm_eficiency", 0.4), "performance.gemm_eficiency"),
+    ("gqa without query groups", _set("performance", "architecture", "num_query_groups", 0),
+     "performance.architecture.num_query_groups"),
+    ("zero grad bytes", _set("model", "dispatch_grad_bytes_per_token", 0), "model.dispatch_grad_bytes_per_token"),
 ]
 
 

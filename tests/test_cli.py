@@ -18,6 +18,9 @@ STABLE_KEYS = [
     "cross_domain_bytes_per_stage",
     "alltoall_time_s_per_stage",
     "cross_domain_bytes_per_ep_group",
+    "predicted_step_time_s",
+    "predicted_tokens_per_s_per_gpu",
+    "predicted_tflops_per_gpu",
 ]
 
 

@@ -86,7 +86,7 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
         "cross_per_layer": cross,
         "cross_per_group": cross_group,
         "max_nic": max(per_gpu_total.values(), default=0.0),
-        "intra": 2 * sum(nvl.values()),
+        "intra": sum(nvl.values()) * m.roundtrip_bytes_per_copy / m.nic_bytes_per_copy,  # as fabric copies
         "lmm": max(lmm),
         "remote_domains_per_token": remote_doms / (L * dp * T),
         "remote_experts_per_token": remote_pairs / (L * dp * T),
