@@ -184,6 +184,15 @@ def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, c
     return starts
 
 
+def _best_polished(search: _LayerSearch, starts: list[tuple[str, np.ndarray]]) -> tuple[str, np.ndarray]:
+    """The swap search from every start on the fit part; the best (ties: the earlier start)."""
+    fit = search.problem.nets_fit
+    ls_fit = SwapSearch(search.problem, fit)
+    polished = [(name, ls_fit.run(m, search.cap)) for name, m in starts]
+    names = [n for n, _ in polished]
+    return min(polished, key=lambda nm: (search.score(nm[1], fit), names.index(nm[0])))
+
+
 def _trivial_outcome(problem: LayerProblem, details: dict, t_start: float) -> LayerOutcome:
     zeros = np.zeros(problem.num_experts, dtype=np.int64)
     slots = balance_ranks(problem, zeros)
@@ -272,10 +281,7 @@ def solve_layer(
     default_ok = problem.within_caps(default, cap)
     starts = _starts(problem, cap, greedy, cost_fit, model_groups, hint_phy2log)
     # Step 1b: local search from every start; keep the best on the fit part.
-    ls_fit = SwapSearch(problem, fit)
-    polished = [(name, ls_fit.run(m, cap)) for name, m in starts]
-    names = [n for n, _ in polished]
-    ls_name, ls_map = min(polished, key=lambda nm: (search.score(nm[1], fit), names.index(nm[0])))
+    ls_name, ls_map = _best_polished(search, starts)
     details["local_search_start"] = ls_name
     candidates: dict[str, np.ndarray] = {"default": default, "local_search": ls_map}
     # Step 1c: the search on the fit part (all of the budget when there is no validation part).

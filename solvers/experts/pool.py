@@ -283,6 +283,26 @@ def _checked_plan(instance: Instance, rank2gpu: np.ndarray, layout: LayoutIndex,
     return phy2log, metrics.cross_domain_bytes_per_step, bpc
 
 
+def _plan_details(outcomes: list[LayerOutcome], bpc: float, *, gp: bool, validation_fraction: float,
+                  class_tolerance: float, deterministic_time_total: float) -> dict:
+    """The plan's deterministic details: every layer's, and the totals."""
+    layer_details = [o.details for o in outcomes]
+    return {
+        "layers": layer_details,
+        "group_preserving": gp,
+        "validation_fraction": validation_fraction,
+        "class_load_tolerance": class_tolerance,
+        "gpu_load_tolerance": GPU_LOAD_TOLERANCE,
+        "deterministic_time_total": round(deterministic_time_total, 6),
+        "det_per_wall_s": DET_PER_WALL_S,
+        # A valid bound on the total even when some layers have none (they count 0 in it).
+        "partial_bound_bytes": float(sum((o.bound or 0) * bpc for o in outcomes)),
+        "layers_without_bound": sum(1 for o in outcomes if o.bound is None),
+        "layers_proved": sum(1 for d in layer_details if d["status"] in ("optimal", "trivial")),
+        "layers_total": len(outcomes),
+    }
+
+
 def place_experts(
     instance: Instance,
     rank2gpu: np.ndarray,
@@ -349,20 +369,7 @@ def place_experts(
     bound_bytes = None
     if layers is None or len(todo) == L:
         bound_bytes = sum_bounds([None if (b := outcomes[li].bound) is None else b * bpc for li in todo])
-    layer_details = [outcomes[li].details for li in todo]
-    details = {
-        "layers": layer_details,
-        "group_preserving": gp,
-        "validation_fraction": validation_fraction,
-        "class_load_tolerance": class_tolerance,
-        "gpu_load_tolerance": GPU_LOAD_TOLERANCE,
-        "deterministic_time_total": round(float(sum(dets)), 6),
-        "det_per_wall_s": DET_PER_WALL_S,
-        # A valid bound on the total even when some layers have none (they count 0 in it).
-        "partial_bound_bytes": float(sum((outcomes[li].bound or 0) * bpc for li in todo)),
-        "layers_without_bound": sum(1 for li in todo if outcomes[li].bound is None),
-        "layers_proved": sum(1 for d in layer_details if d["status"] in ("optimal", "trivial")),
-        "layers_total": len(todo),
-    }
+    details = _plan_details([outcomes[li] for li in todo], bpc, gp=gp, validation_fraction=validation_fraction,
+                            class_tolerance=class_tolerance, deterministic_time_total=float(sum(dets)))
     log.info("expert placement: %d layers in %.1f s", len(todo), time.monotonic() - t0)
     return ExpertPlan(phy2log=phy2log, objective_bytes=objective_bytes, bound_bytes=bound_bytes, details=details)

@@ -9,7 +9,8 @@
 - :mod:`solvers.kernels.crossings`: crossings of weighted nets and bytes per crossing, both from
   the primitives :mod:`placement.cost` exports.
 
-Kernels know nothing about layers, instances or options: arrays in, arrays out.
+Kernels know nothing about layers or options: arrays in, arrays out (``bytes_per_crossing`` reads an
+instance's sizes only).
 """
 
 from solvers.kernels.assignment import assign_to_counts
