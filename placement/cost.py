@@ -4,7 +4,7 @@ For a placement (rank -> GPU, and per MoE layer expert -> EP rank) and a window 
 :func:`evaluate` returns the cross-domain all-to-all bytes of one training step and everything
 derived from them.  Every solver, benchmark, notebook and report scores placements with it.
 
-How bytes move (DESIGN.md section 3)
+How bytes move (docs/design.md section 3)
 ------------------------------------
 A sampled token of data-parallel index ``j`` in MoE layer ``l`` (pipeline stage ``s``) is sent by
 one of the ``tp*cp`` ranks of replica ``j`` in stage ``s`` (sampled tokens are dealt to them in

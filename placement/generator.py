@@ -46,7 +46,7 @@ One routing *window* is a batch of freshly sampled tokens routed with that windo
 
 Calibration
 -----------
-Targets (DESIGN.md section 4), all for training with aux-loss-free balancing, which is flatter
+Targets (docs/design.md section 4), all for training with aux-loss-free balancing, which is flatter
 than inference traces:
 
 - per-layer busiest-expert load over mean load: 1.5-3.0 with ~8k sampled tokens per layer (the

@@ -6,6 +6,29 @@ numpy arrays that the constructors make read-only, so a solver cannot change an 
 Naming: maps say their direction (``rank2gpu``, ``gpu2domain``, ``phy2log``), sizes their unit
 (``*_bytes``, ``*_gbps`` = 10^9 bytes/s, ``*_s``).
 
+Glossary (one meaning each, used everywhere in the package, the solvers and the docs)
+-------------------------------------------------------------------------------------
+- **domain**: an NVLink domain (an NVL72 rack); bytes between domains cross the scale-out fabric.
+- **tray**: a compute tray of ``gpus_per_tray`` GPUs inside a domain; the unit a scheduler loses.
+- **stage**: a pipeline-parallel stage (index ``0 .. pp-1``); it holds ``stage_layers``.
+- **EP group**: the ``ep`` ranks of one stage that split a layer's experts between them (expert
+  parallelism); a stage has ``dp * tp * cp / ep`` EP groups sharing one expert map.
+- **expert group**: a routing group of ``num_experts / num_groups`` contiguous logical expert ids
+  (DeepSeek's ``n_group``); group-limited routing lets a token use ``groups_per_token`` of them.
+- **group position**: the ``num_experts / num_groups`` contiguous physical slots that hold one whole
+  expert group in a group-preserving map.
+- **source**: a data-parallel index ``j``; its sampled tokens are sent by replica ``j``'s ranks.
+- **window**: a set of sampled tokens per (MoE layer, source): ``sampled`` is what solvers see
+  (they split it into a *fit* part and a *validation* part), ``heldout`` a later window kept for
+  scoring only.
+- **class**: the EP ranks of a stage that sit in the same domain in every EP group of that stage;
+  the cross-domain cost of an expert map depends only on the class of each expert.
+- **block** (rank layout only): a set of ranks placed as one unit (an EP group, or the EP groups of
+  a stage that must move together); its **footprint** is how many GPUs it takes in each domain,
+  its **shape** the sorted multiset of those counts.
+- **crossing**: one copy of one sampled token sent over the fabric (``per_domain``: per remote
+  domain; ``per_pair``: per remote expert); bytes per step follow from it by one conversion.
+
 Index conventions
 -----------------
 - GPU id: ``(domain * trays_per_domain + tray) * gpus_per_tray + local``, over every GPU of the

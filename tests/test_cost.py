@@ -126,7 +126,7 @@ def test_matches_reference(case):
 
 @pytest.mark.parametrize("num_domains,expected", [(2, 1.00), (4, 2.71), (8, 4.65), (16, 6.12)])
 def test_uniform_random_placement_remote_domains(num_domains, expected):
-    """DESIGN section 3's sanity check: 256 experts spread uniformly over D equal domains."""
+    """docs/design.md section 3's sanity check: 256 experts spread uniformly over D equal domains."""
     rng = np.random.default_rng(num_domains)
     E, k, ep = 256, 8, 64
     gpd = ep // num_domains

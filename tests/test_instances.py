@@ -17,7 +17,7 @@ def test_regenerates_byte_for_byte(tmp_path, name):
 
 
 def test_headline_instance_matches_the_design():
-    """DESIGN.md section 8: 15 racks of 18 x 4 GPUs, 1,024 free, TP1 CP1 PP16 EP64 DP64, ..."""
+    """docs/design.md section 8: 15 racks of 18 x 4 GPUs, 1,024 free, TP1 CP1 PP16 EP64 DP64, ..."""
     inst = read_instance(INSTANCES / "dsv3_1024.json")
     m, p, c = inst.model, inst.parallel, inst.cluster
     assert (m.num_layers, m.num_moe_layers, m.num_experts, m.top_k) == (61, 58, 256, 8)
