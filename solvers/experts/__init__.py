@@ -30,30 +30,10 @@ from solvers.experts.layer import LayerOutcome, solve_layer
 from solvers.experts.pool import ExpertPlan, LayerTask, LayerWorker, place_experts
 from solvers.experts.problem import LayerProblem, NetSet, build_layer_problem, linear_costs, net_crossings
 from solvers.experts.swap import SwapSearch, iterated_local_search
-from solvers.experts.tuning import (
-    CLASS_LOAD_TOLERANCE,
-    CLASS_LOAD_TOLERANCE_GROUP_PRESERVING,
-    CPSAT_DET_PER_LINK,
-    DET_PER_WALL_S,
-    GPU_LOAD_TOLERANCE,
-    MAX_GROUP_ASSIGNMENTS,
-    MAX_REFINED_ASSIGNMENTS,
-    POOL_MIN_PAIRS,
-    SUBPROBLEM_MAX_FREE_EXPERTS,
-    VALIDATION_FRACTION,
-)
+from solvers.experts import tuning
+from solvers.experts.tuning import *  # noqa: F403  (the tunable constants, see tuning.__all__)
 
 __all__ = [
-    "CLASS_LOAD_TOLERANCE",
-    "CLASS_LOAD_TOLERANCE_GROUP_PRESERVING",
-    "GPU_LOAD_TOLERANCE",
-    "VALIDATION_FRACTION",
-    "DET_PER_WALL_S",
-    "CPSAT_DET_PER_LINK",
-    "MAX_GROUP_ASSIGNMENTS",
-    "MAX_REFINED_ASSIGNMENTS",
-    "SUBPROBLEM_MAX_FREE_EXPERTS",
-    "POOL_MIN_PAIRS",
     "NetSet",
     "LayerProblem",
     "LayerBudget",
@@ -88,4 +68,4 @@ __all__ = [
     "transport_optimum",
     "per_pair_class_bound",
     "sum_bounds",
-]
+] + list(tuning.__all__)
