@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import placement
 from placement.checker import check
@@ -106,3 +108,25 @@ def test_an_instance_written_and_read_back_solves_the_same(tmp_path, tiny):
                         layout="fixed")
     b = placement.solve(tiny, solver="cpsat", time_limit_s=15, seed=2, num_workers=1, layout="fixed")
     assert np.array_equal(a.placement.phy2log, b.placement.phy2log)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), ep=st.sampled_from([2, 4]))
+def test_the_solvers_slice_rule_agrees_with_the_verifiers(seed, ep):
+    """cpsat checks DeepEP's equal consecutive slices with its own code; the verifier has its own:
+    on random layouts (and on layouts made of equal slices) the two agree on every EP group."""
+    from placement.checker import deepep_violations
+    from placement.model import Placement
+    from solvers.cpsat import equal_slices_breaks
+
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=8, top_k=2, ep=ep, dp=4, pp=2, num_domains=3, trays_per_domain=2,
+                           gpus_per_tray=2)
+    world = inst.parallel.world_size
+    if rng.random() < 0.5:
+        r2g = rng.permutation(inst.cluster.num_gpus)[:world]
+    else:
+        r2g = np.sort(rng.permutation(inst.cluster.num_gpus)[:world])  # sorted: often equal slices
+    ours = equal_slices_breaks(inst, r2g)
+    theirs = deepep_violations(inst, Placement(r2g, np.tile(np.arange(8), (inst.model.num_moe_layers, 1))))
+    assert [m.split(":")[0] for m in ours] == [m.split(":")[0] for m in theirs]
