@@ -53,7 +53,6 @@ __all__ = ["layer_nets", "km1", "partition_layer", "repair_capacities", "kahypar
 
 log = logging.getLogger(__name__)
 
-_INITIALIZERS: dict[int, Any] = {}  # threads -> mtkahypar.Initializer (the thread pool is per process)
 
 
 def _mtkahypar() -> Any:
@@ -72,11 +71,20 @@ def _mtkahypar() -> Any:
     return mtkahypar
 
 
-def _initializer(num_threads: int) -> Any:
-    mtk = _mtkahypar()
-    if num_threads not in _INITIALIZERS:
-        _INITIALIZERS[num_threads] = mtk.initialize(num_threads, False)
-    return _INITIALIZERS[num_threads]
+class _MtKaHyParRuntime:
+    """Mt-KaHyPar's per-process state: ``mtkahypar.initialize`` starts a thread pool once per
+    process, so its initializer is kept per thread count for the life of the process."""
+
+    def __init__(self) -> None:
+        self._by_threads: dict[int, Any] = {}
+
+    def initializer(self, num_threads: int) -> Any:
+        if num_threads not in self._by_threads:
+            self._by_threads[num_threads] = _mtkahypar().initialize(num_threads, False)
+        return self._by_threads[num_threads]
+
+
+RUNTIME = _MtKaHyParRuntime()
 
 
 def layer_nets(
@@ -238,7 +246,7 @@ def partition_layer(
         return e2b, {"km1": 0, "km1_partitioner": 0, "km1_initial": None, "km1_refined": None,
                      "start": "partitioner", "repaired_moves": 0}
     mtk = _mtkahypar()
-    init = _initializer(num_threads)
+    init = RUNTIME.initializer(num_threads)
     # Source vertices weigh 1 (zero-weight fixed vertices crash or get misplaced in Mt-KaHyPar 1.7),
     # so every block's target weight is its capacity plus its one source vertex.
     ctx = _context(mtk, init, k, capacities + 1)
