@@ -153,7 +153,7 @@ def calibrate(seconds: float = 5.0) -> dict:
     import numpy as np
 
     from solvers.default import default_rank2gpu
-    from solvers.experts import build_layer_problem, linear_costs, _capped_greedy, run_cpsat
+    from solvers.experts import build_layer_problem, capped_greedy, linear_costs, run_cpsat
 
     inst = placement.load_instance(ROOT / "instances" / "dsv3_1024.json").for_solver()
     r2g = default_rank2gpu(inst)
@@ -161,7 +161,7 @@ def calibrate(seconds: float = 5.0) -> dict:
                  if build_layer_problem(inst, r2g, li, group_preserving=False, validation_fraction=0).num_classes > 1)
     problem = build_layer_problem(inst, r2g, layer, group_preserving=False, validation_fraction=0)
     cap = problem.load_cap(0.05)
-    hint = _capped_greedy(problem, linear_costs(problem, problem.nets_all), cap)
+    hint = capped_greedy(problem, linear_costs(problem, problem.nets_all), cap)
     out = []
     for det in (0.5 * seconds, seconds):
         r = run_cpsat(problem, problem.nets_all, cap, hint, deterministic_time=det, wall_limit_s=20 * det, seed=0)

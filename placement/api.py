@@ -18,7 +18,7 @@ a reserve for checking and scoring its answer, :data:`FINISH_RESERVE_S` plus the
 (estimated from the instance's size, or passed as ``finish_reserve_s`` by a caller that measured
 it).  Pass the instant before :func:`load_instance` as ``started_at`` to count loading as well.
 
-Two clocks: the solver's *work budget* (``SolveOptions.time_limit_s``, which solvers with
+Two clocks: the solver's *work budget* (``SolveOptions.work_budget_s``, which solvers with
 deterministic budgets size their work by) is :func:`solver_budget_s`: the limit less overheads
 estimated from the instance's size alone, so the same limit gives the same placement on a busy
 or an idle machine.  The wall-clock ``SolveOptions.deadline`` is the safety net that holds the
@@ -166,7 +166,7 @@ def predict_performance(instance: Instance, placement: Placement, *, window: Win
 
 
 def solver_names() -> list[str]:
-    """The registered solver names, sorted (what ``solver=`` and ``--solver`` accept)."""
+    """The registered solver names, sorted (what ``solver=`` accepts)."""
     from solvers import SOLVERS
 
     return sorted(SOLVERS)
@@ -302,7 +302,8 @@ def solve(
     fn = get_solver(solver)
     reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(
-        time_limit_s=solver_budget_s(instance, time_limit_s),
+        time_limit_s=time_limit_s,
+        work_budget_s=solver_budget_s(instance, time_limit_s),
         seed=seed,
         num_workers=num_workers or default_workers(),
         consumer=consumer,

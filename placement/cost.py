@@ -179,6 +179,26 @@ def remote_domains_per_token(token_domains: np.ndarray, src_domain: np.ndarray) 
     return (first & (token_domains != src_domain[..., None])).sum(axis=-1)
 
 
+def fabric_bytes_per_crossing(instance: Instance, tokens_per_source: int) -> float:
+    """Fabric bytes per optimizer step that one crossing of one sampled token costs.
+
+    A sampled token stands for ``tokens_per_dp_rank_per_step / tokens_per_source`` real tokens,
+    and each crossing moves ``roundtrip_bytes_per_copy`` (dispatch and combine, forward and
+    backward) over the scale-out fabric: :func:`evaluate`'s cross-domain bytes are its crossings
+    times this.
+
+    Parameters
+    ----------
+    instance : the problem.
+    tokens_per_source : sampled tokens per data-parallel source in the window scored.
+    """
+    return float(instance.parallel.tokens_per_dp_rank_per_step / tokens_per_source
+                 * instance.model.roundtrip_bytes_per_copy)
+
+
+__all__ += ["fabric_bytes_per_crossing"]
+
+
 def evaluate(
     instance: Instance,
     placement: Placement,

@@ -14,6 +14,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -303,7 +304,7 @@ def build(spec: InstanceSpec) -> Instance:
         nvlink_gbps=spec.nvlink_gbps,
         scaleout_gbps=spec.scaleout_gbps,
     )
-    gen_params = dict(
+    gen_params: dict[str, Any] = dict(
         seed=spec.seed,
         num_layers=len(moe_layers),
         num_sources=spec.dp,

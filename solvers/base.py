@@ -35,6 +35,7 @@ __all__ = [
     "Solver",
     "default_workers",
     "call_on_stop",
+    "heuristic_result",
 ]
 
 Consumer = Literal["none", "deepep", "hybridep"]
@@ -70,7 +71,12 @@ def default_workers() -> int:
 class SolveOptions:
     """What every solver accepts.
 
-    time_limit_s : wall-clock budget of the solve itself (the caller sets ``deadline`` from it).
+    time_limit_s : wall-clock budget of the call, counted from its start (``deadline``, when not
+        given, is the start plus this).
+    work_budget_s : the deterministic work budget, in seconds of planned work: solvers with
+        deterministic budgets size their work by it, never by the clock, so the same budget gives
+        the same placement on a busy or an idle machine (``None``: ``time_limit_s``; see
+        :meth:`resolved_work_budget_s`).
     seed : random seed; the same instance, seed and options give the same placement.
     num_workers : CP-SAT workers / processes; defaults to the cores available.
     consumer : layout rule the rank placement must obey (``deepep``/``hybridep``: equal
@@ -89,6 +95,7 @@ class SolveOptions:
     """
 
     time_limit_s: float = 60.0
+    work_budget_s: float | None = None
     seed: int = 0
     num_workers: int = field(default_factory=default_workers)
     consumer: Consumer = "none"
@@ -101,6 +108,10 @@ class SolveOptions:
 
     def resolved_deadline(self) -> float:
         return self.deadline if self.deadline is not None else time.monotonic() + self.time_limit_s
+
+    def resolved_work_budget_s(self) -> float:
+        """The deterministic work budget: :attr:`work_budget_s`, or :attr:`time_limit_s` when unset."""
+        return self.time_limit_s if self.work_budget_s is None else self.work_budget_s
 
     def stop_requested(self) -> bool:
         """True once the caller has set :attr:`stop_event` (a signal, a scheduler's cancel)."""
@@ -158,6 +169,31 @@ class SolveResult:
         if self.objective_bytes <= 0:
             return 0.0
         return max(0.0, (self.objective_bytes - self.bound_bytes) / self.objective_bytes)
+
+
+def heuristic_result(
+    instance: Instance,
+    placement: Placement,
+    solver: str,
+    *,
+    group_preserving: bool,
+    params: dict | None = None,
+    details: dict | None = None,
+) -> SolveResult:
+    """The result of a solver without a search or a bound (``default`` and the peers), its objective
+    from the evaluator (:func:`placement.cost.evaluate`, sampled tokens)."""
+    from placement.cost import evaluate
+
+    return SolveResult(
+        placement=placement,
+        solver=solver,
+        status="heuristic",
+        objective_bytes=evaluate(instance, placement).cross_domain_bytes_per_step,
+        params={} if params is None else params,
+        details={} if details is None else details,
+        group_preserving=group_preserving,
+        consumer="none",
+    )
 
 
 @contextmanager

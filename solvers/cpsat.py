@@ -1,4 +1,4 @@
-"""The registered solver ``cpsat``: a rank layout, then every layer's expert map (DESIGN.md section 7).
+"""The registered solver ``cpsat``: a rank layout, then every layer's expert map.
 
 Two levels, decoupled on purpose:
 
@@ -11,8 +11,16 @@ Two levels, decoupled on purpose:
    starting also from the expert map the layout was scored with, and reports per-layer bounds.
 
 Time: the layout gets :data:`solvers.layout.LAYOUT_TIME_SHARE` of the wall time left; the expert
-placer sizes its deterministic work from the same share of ``options.time_limit_s`` (never from the
-clock), so its result depends on the limit, not on how long the layout took.
+placer sizes its deterministic work from the rest of the work budget
+(:meth:`SolveOptions.resolved_work_budget_s`, never the clock), so its result depends on the
+budget, not on how long the layout took.
+
+Consumer rules, constructively and without the verifier: group-preserving maps come from the
+expert placer, which builds them from group positions (whole expert groups on whole positions), and
+the result's ``group_preserving`` flag is computed here from the maps
+(:func:`solvers.kernels.keeps_expert_groups`); DeepEP/HybridEP's equal consecutive slices are
+checked on the chosen rank layout by :func:`equal_slices_breaks` (``placement verify`` keeps its
+own implementation of both rules).
 
 The objective reported is the evaluator's ``cross_domain_bytes_per_step`` on the sampled tokens;
 ``status`` is ``optimal`` only if every layer's map is proved optimal for the layout (over maps within
@@ -24,10 +32,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Literal
 
 import numpy as np
 
-from placement.checker import deepep_violations
 from placement.model import InfeasibleError, Instance, Placement
 from solvers.base import SolveOptions, SolveResult
 from solvers.default import default_rank2gpu
@@ -37,9 +45,10 @@ from solvers.experts import (
     VALIDATION_FRACTION,
     place_experts,
 )
+from solvers.kernels import keeps_expert_groups
 from solvers.registry import register
 
-__all__ = ["choose_rank2gpu", "solve_cpsat"]
+__all__ = ["choose_rank2gpu", "solve_cpsat", "equal_slices_breaks"]
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +67,51 @@ def choose_rank2gpu(
     """
     rank2gpu = default_rank2gpu(instance)
     if options.layout == "fixed":
-        return rank2gpu, {"source": "default", "reason": "--layout fixed"}, None
+        return rank2gpu, {"source": "default", "reason": "layout fixed"}, None
     from solvers.layout import LAYOUT_TIME_SHARE, plan_layout
 
     now = time.monotonic()
-    plan = plan_layout(instance, options, deadline=now + LAYOUT_TIME_SHARE * max(0.0, deadline - now))
+    # plan_layout sizes its work by options.time_limit_s: hand it the work budget.
+    layout_options = dataclasses.replace(options, time_limit_s=options.resolved_work_budget_s())
+    plan = plan_layout(instance, layout_options, deadline=now + LAYOUT_TIME_SHARE * max(0.0, deadline - now))
     return plan.rank2gpu, {"source": "solvers.layout.plan_layout", **plan.details}, plan.phy2log
 
 
 def _expert_options(options: SolveOptions) -> SolveOptions:
-    """The options the expert placer sizes its deterministic work by: the limit's share left after
-    the rank layout (a function of the limit alone, so the result does not depend on the clock)."""
+    """The options the expert placer sizes its deterministic work by: the work budget's share left
+    after the rank layout (a function of the budget alone, so the result does not depend on the clock)."""
     if options.layout == "fixed":
         return options
     from solvers.layout import LAYOUT_TIME_SHARE
 
-    return dataclasses.replace(options, time_limit_s=options.time_limit_s * (1.0 - LAYOUT_TIME_SHARE))
+    return dataclasses.replace(options, work_budget_s=options.resolved_work_budget_s() * (1.0 - LAYOUT_TIME_SHARE))
+
+
+def equal_slices_breaks(instance: Instance, rank2gpu: np.ndarray) -> list[str]:
+    """EP groups whose ranks do not lie in equal consecutive slices per NVLink domain.
+
+    DeepEP and HybridEP address peers as ``rank == rdma_rank * num_nvl_ranks + nvl_rank``: in EP-rank
+    order an EP group must be runs of one domain each, every domain once, all runs of one length.
+    """
+    par, g2d = instance.parallel, instance.cluster.gpu2domain
+    out = []
+    for s in range(par.pp):
+        for gi, ranks in enumerate(par.stage_ep_groups[s]):
+            doms = g2d[np.asarray(rank2gpu, dtype=np.int64)[ranks]]
+            starts = np.flatnonzero(np.r_[True, doms[1:] != doms[:-1]])
+            lengths = np.diff(np.r_[starts, doms.shape[0]])
+            run_domains = doms[starts]
+            if np.unique(run_domains).shape[0] != run_domains.shape[0] or np.unique(lengths).shape[0] != 1:
+                out.append(f"stage {s} EP group {gi}: domains {run_domains.tolist()} with slices {lengths.tolist()}")
+    return out
 
 
 def _check_consumer(instance: Instance, rank2gpu: np.ndarray, options: SolveOptions) -> None:
     if options.consumer in ("deepep", "hybridep"):
-        placement = Placement(rank2gpu, np.tile(np.arange(instance.model.num_experts), (instance.model.num_moe_layers, 1)))
-        bad = deepep_violations(instance, placement)
+        bad = equal_slices_breaks(instance, rank2gpu)
         if bad:
             raise InfeasibleError(
-                f"--consumer {options.consumer}: the rank layout breaks the equal-consecutive-slices rule "
+                f"consumer {options.consumer}: the rank layout breaks the equal-consecutive-slices rule "
                 f"({bad[0]}{'; and ' + str(len(bad) - 1) + ' more' if len(bad) > 1 else ''})"
             )
 
@@ -101,7 +130,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     expert_options = _expert_options(options)
     plan = place_experts(instance, rank2gpu, expert_options, deadline=deadline, hint_phy2log=layout_phy2log)
     placement = Placement(rank2gpu, plan.phy2log)
-    status = "optimal" if plan.proved else "feasible"
+    status: Literal["optimal", "feasible"] = "optimal" if plan.proved else "feasible"
     params = {
         "layout": options.layout,
         "layout_source": layout_info["source"],
@@ -111,7 +140,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         "num_workers": int(options.num_workers),
         "seed": int(options.seed),
         "time_limit_s": float(options.time_limit_s),
-        "expert_time_limit_s": float(expert_options.time_limit_s),
+        "expert_time_limit_s": float(expert_options.resolved_work_budget_s()),  # the expert placer's work budget
         "class_load_tolerance": plan.details["class_load_tolerance"],
         "gpu_load_tolerance": GPU_LOAD_TOLERANCE,
         "validation_fraction": VALIDATION_FRACTION,
@@ -133,14 +162,6 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         bound_bytes=plan.bound_bytes,
         params=params,
         details=details,
-        group_preserving=gp and instance.model.num_groups > 1 or not _moves_across_groups(instance, placement),
+        group_preserving=keeps_expert_groups(plan.phy2log, instance.model.experts_per_group),
         consumer=options.consumer,
     )
-
-
-def _moves_across_groups(instance: Instance, placement: Placement) -> bool:
-    from placement.checker import violates_group_preservation
-
-    if instance.model.num_groups <= 1:
-        return False
-    return bool(violates_group_preservation(instance, placement))

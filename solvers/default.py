@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from placement.model import InfeasibleError, Instance, Placement
-from solvers.base import SolveOptions, SolveResult
+from solvers.base import SolveOptions, SolveResult, heuristic_result
 from solvers.registry import register
 
 __all__ = ["default_rank2gpu", "default_placement", "solve_default"]
@@ -41,15 +41,4 @@ def default_placement(instance: Instance) -> Placement:
 @register("default")
 def solve_default(instance: Instance, options: SolveOptions) -> SolveResult:
     """The default layout (no search)."""
-    from placement.cost import evaluate
-
-    placement = default_placement(instance)
-    objective = evaluate(instance, placement).cross_domain_bytes_per_step
-    return SolveResult(
-        placement=placement,
-        solver="default",
-        status="heuristic",
-        objective_bytes=objective,
-        group_preserving=True,
-        consumer="none",
-    )
+    return heuristic_result(instance, default_placement(instance), "default", group_preserving=True)

@@ -35,17 +35,18 @@ Mapping onto this package's problem
   no locality, what EPLB's global policy gives it.
 - The resulting expert maps are in general *not* group-preserving (Step 3 mixes groups on GPUs), so
   under group-limited routing they are valid for serving (SGLang, vLLM) but not as a training
-  checkpoint permutation; :func:`solve_eplb` reports this in ``SolveResult.group_preserving``.
+  checkpoint permutation; :func:`solve_eplb` reports this in ``SolveResult.group_preserving``
+  (computed from the maps by :func:`solvers.kernels.keeps_expert_groups`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from placement.checker import violates_group_preservation
 from placement.model import Instance, InvalidInputError, Placement
-from solvers.base import SolveOptions, SolveResult
+from solvers.base import SolveOptions, SolveResult, heuristic_result
 from solvers.default import default_rank2gpu
+from solvers.kernels import domain_classes, keeps_expert_groups, lpt_pack
 from solvers.registry import register
 
 __all__ = [
@@ -93,17 +94,7 @@ def balanced_packing(weights: np.ndarray, capacities: np.ndarray) -> np.ndarray:
         raise InvalidInputError("balanced_packing: weights must be non-negative")
     if (cap < 0).any() or int(cap.sum()) < len(w):
         raise InvalidInputError(f"balanced_packing: {len(w)} items do not fit packs of sizes {cap.tolist()}")
-    pack_of = np.empty(len(w), dtype=np.int64)
-    load = np.zeros(len(cap), dtype=np.float64)
-    count = np.zeros(len(cap), dtype=np.int64)
-    scale = np.where(cap > 0, cap, 1).astype(np.float64)
-    for i in np.argsort(-w, kind="stable"):
-        room = count < cap
-        key = np.where(room, load / scale, np.inf)
-        j = int(np.argmin(key))  # first minimum: lowest pack index on ties
-        pack_of[i] = j
-        load[j] += w[i]
-        count[j] += 1
+    pack_of, _ = lpt_pack(w, cap, rule="per_capacity")  # the shared LPT kernel, EPLB's pack rule
     return pack_of
 
 
@@ -125,12 +116,7 @@ def stage_rank_nodes(instance: Instance, rank2gpu: np.ndarray, stage: int) -> np
     """
     groups = instance.parallel.stage_ep_groups[stage]  # (G, ep) global ranks
     domains = instance.cluster.gpu2domain[np.asarray(rank2gpu, dtype=np.int64)[groups]]  # (G, ep)
-    node_of: dict[tuple[int, ...], int] = {}
-    out = np.empty(domains.shape[1], dtype=np.int64)
-    for r in range(domains.shape[1]):
-        key = tuple(int(d) for d in domains[:, r])
-        out[r] = node_of.setdefault(key, len(node_of))
-    return out
+    return domain_classes(domains, numbering="first_appearance")[1]
 
 
 def expert_loads(topk: np.ndarray, num_experts: int) -> np.ndarray:
@@ -272,16 +258,7 @@ def solve_eplb(instance: Instance, options: SolveOptions) -> SolveResult:
     not honour consumer or group-preservation requests; the result says whether its maps happen to
     be group-preserving.
     """
-    from placement.cost import evaluate
-
     rank2gpu = default_rank2gpu(instance)
     placement = Placement(rank2gpu, eplb_phy2log(instance, rank2gpu))
-    return SolveResult(
-        placement=placement,
-        solver="eplb",
-        status="heuristic",
-        objective_bytes=evaluate(instance, placement).cross_domain_bytes_per_step,
-        params={"layout": "default", "num_replicas": "num_experts"},
-        group_preserving=not violates_group_preservation(instance, placement),
-        consumer="none",
-    )
+    return heuristic_result(instance, placement, "eplb", params={"layout": "default", "num_replicas": "num_experts"},
+                            group_preserving=keeps_expert_groups(placement.phy2log, instance.model.experts_per_group))

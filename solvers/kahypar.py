@@ -1,6 +1,6 @@
 """Mt-KaHyPar as a peer: experts to domains by hypergraph partitioning, then within-domain balancing.
 
-Hypergraph partitioning is the strongest general tool for this problem (DESIGN.md section 6).  Per
+Hypergraph partitioning is the strongest general tool for this problem.  Per
 MoE layer, on the default rank layout (sources fixed where the default puts them):
 
 - Blocks: the nodes of the layer's stage (:func:`solvers.eplb.stage_rank_nodes`): the NVLink
@@ -40,20 +40,19 @@ from typing import Any
 
 import numpy as np
 
-from placement.checker import violates_group_preservation
-from placement.cost import LayoutIndex
+from placement.cost import LayoutIndex, remote_domains_per_token
 from placement.model import CostMode, Instance, InvalidInputError, Placement, SolverError
-from solvers.base import SolveOptions, SolveResult
+from solvers.base import SolveOptions, SolveResult, heuristic_result
 from solvers.default import default_rank2gpu
 from solvers.eplb import stage_rank_nodes
 from solvers.experts import balance_ranks, build_layer_problem
+from solvers.kernels import keeps_expert_groups
 from solvers.registry import register
 
 __all__ = ["layer_nets", "km1", "partition_layer", "repair_capacities", "kahypar_phy2log", "solve_kahypar"]
 
 log = logging.getLogger(__name__)
 
-_INITIALIZERS: dict[int, Any] = {}  # threads -> mtkahypar.Initializer (the thread pool is per process)
 
 
 def _mtkahypar() -> Any:
@@ -72,11 +71,20 @@ def _mtkahypar() -> Any:
     return mtkahypar
 
 
-def _initializer(num_threads: int) -> Any:
-    mtk = _mtkahypar()
-    if num_threads not in _INITIALIZERS:
-        _INITIALIZERS[num_threads] = mtk.initialize(num_threads, False)
-    return _INITIALIZERS[num_threads]
+class _MtKaHyParRuntime:
+    """Mt-KaHyPar's per-process state: ``mtkahypar.initialize`` starts a thread pool once per
+    process, so its initializer is kept per thread count for the life of the process."""
+
+    def __init__(self) -> None:
+        self._by_threads: dict[int, Any] = {}
+
+    def initializer(self, num_threads: int) -> Any:
+        if num_threads not in self._by_threads:
+            self._by_threads[num_threads] = _mtkahypar().initialize(num_threads, False)
+        return self._by_threads[num_threads]
+
+
+RUNTIME = _MtKaHyParRuntime()
 
 
 def layer_nets(
@@ -121,9 +129,11 @@ def km1(nets: np.ndarray, weights: np.ndarray, vertex2block: np.ndarray) -> int:
     >>> km1(np.array([[0, 1, 2], [0, 0, 1]]), np.array([3, 1]), np.array([0, 1, 1]))
     4
     """
-    blocks = np.sort(np.asarray(vertex2block)[nets], axis=1)
-    distinct = 1 + (blocks[:, 1:] != blocks[:, :-1]).sum(axis=1)
-    return int(((distinct - 1) * np.asarray(weights)).sum())
+    blocks = np.asarray(vertex2block)[np.asarray(nets)]
+    if blocks.shape[1] < 2:
+        return 0
+    # distinct blocks - 1 = the blocks other than the first pin's (the evaluator's remote-domain count)
+    return int((remote_domains_per_token(blocks[:, 1:], blocks[:, 0]) * np.asarray(weights)).sum())
 
 
 def repair_capacities(
@@ -172,13 +182,14 @@ def repair_capacities(
                     delta = int((w * (pins[ns, b] == 0)).sum()) - leave
                     if best is None or delta < best[0]:
                         best = (delta, int(v), int(a), int(b))
-        _, v, a, b = best  # type: ignore[misc]  # some block has room: sum(cap) >= len(movable)
-        ns = inc[v]
-        pins[ns, a] -= 1
-        pins[ns, b] += 1
-        v2b[v] = b
-        count[a] -= 1
-        count[b] += 1
+        assert best is not None  # some block has room: sum(cap) >= len(movable)
+        _, mv, src, dst = best
+        ns = inc[mv]
+        pins[ns, src] -= 1
+        pins[ns, dst] += 1
+        v2b[mv] = dst
+        count[src] -= 1
+        count[dst] += 1
     return v2b
 
 
@@ -235,7 +246,7 @@ def partition_layer(
         return e2b, {"km1": 0, "km1_partitioner": 0, "km1_initial": None, "km1_refined": None,
                      "start": "partitioner", "repaired_moves": 0}
     mtk = _mtkahypar()
-    init = _initializer(num_threads)
+    init = RUNTIME.initializer(num_threads)
     # Source vertices weigh 1 (zero-weight fixed vertices crash or get misplaced in Mt-KaHyPar 1.7),
     # so every block's target weight is its capacity plus its one source vertex.
     ctx = _context(mtk, init, k, capacities + 1)
@@ -337,25 +348,16 @@ def solve_kahypar(instance: Instance, options: SolveOptions) -> SolveResult:
     SolverError
         When ``mtkahypar`` is not installed (``pip install -e '.[peers]'``).
     """
-    from placement.cost import evaluate
-
     _mtkahypar()  # fail early with the install hint
     rank2gpu = default_rank2gpu(instance)
     phy2log, facts = kahypar_phy2log(instance, rank2gpu, options)
-    placement = Placement(rank2gpu, phy2log)
     unsolved = [f["layer"] for f in facts if not f["solved"]]
-    return SolveResult(
-        placement=placement,
-        solver="kahypar",
-        status="heuristic",
-        objective_bytes=evaluate(instance, placement).cross_domain_bytes_per_step,
-        params={
-            "layout": "default",
-            "preset": "DETERMINISTIC_QUALITY",
-            "objective": "km1",
-            "starts": ["partitioner", "contiguous default + 3 V-cycles"],
-        },
-        details={"layers": facts, "unsolved_layers": unsolved},
-        group_preserving=not violates_group_preservation(instance, placement),
-        consumer="none",
-    )
+    params = {
+        "layout": "default",
+        "preset": "DETERMINISTIC_QUALITY",
+        "objective": "km1",
+        "starts": ["partitioner", "contiguous default + 3 V-cycles"],
+    }
+    return heuristic_result(instance, Placement(rank2gpu, phy2log), "kahypar", params=params,
+                            details={"layers": facts, "unsolved_layers": unsolved},
+                            group_preserving=keeps_expert_groups(phy2log, instance.model.experts_per_group))

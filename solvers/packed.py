@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from placement.model import Instance, Placement
-from solvers.base import SolveOptions, SolveResult
+from solvers.base import SolveOptions, SolveResult, heuristic_result
 from solvers.default import default_rank2gpu
 from solvers.registry import register
 
@@ -95,15 +95,5 @@ def packed_placement(instance: Instance) -> Placement:
 @register("packed")
 def solve_packed(instance: Instance, options: SolveOptions) -> SolveResult:
     """The careful engineer's layout (no search; ``options`` are not used)."""
-    from placement.cost import evaluate
-
-    placement = packed_placement(instance)
-    return SolveResult(
-        placement=placement,
-        solver="packed",
-        status="heuristic",
-        objective_bytes=evaluate(instance, placement).cross_domain_bytes_per_step,
-        params={"layout": "packed", "experts": "contiguous"},
-        group_preserving=True,
-        consumer="none",
-    )
+    return heuristic_result(instance, packed_placement(instance), "packed", group_preserving=True,
+                            params={"layout": "packed", "experts": "contiguous"})

@@ -1,4 +1,4 @@
-"""The solver registry: names -> solve functions.  The CLI's ``--solver`` choices come from here."""
+"""The solver registry: names -> solve functions (the choices of ``placement.solve(solver=...)``)."""
 
 from __future__ import annotations
 
@@ -27,4 +27,4 @@ def get_solver(name: str) -> Solver:
     try:
         return SOLVERS[name]
     except KeyError:
-        raise InvalidInputError(f"--solver: unknown solver {name!r} (choose from {', '.join(sorted(SOLVERS))})") from None
+        raise InvalidInputError(f"solver: unknown solver {name!r} (choose from {', '.join(sorted(SOLVERS))})") from None

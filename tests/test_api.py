@@ -135,7 +135,8 @@ def test_solver_gets_the_deadline_the_stop_event_and_the_solver_view(tiny, monke
     options = seen["options"]
     assert options.deadline == pytest.approx(t0 + 18.0)
     assert options.stop_event is event and options.num_workers == default_workers()
-    assert options.time_limit_s == placement.solver_budget_s(tiny, 20) > 17.0
+    assert options.work_budget_s == placement.solver_budget_s(tiny, 20) > 17.0
+    assert options.time_limit_s == 20
     assert seen["heldout"] is None and seen["should_stop"] is False
     assert "interrupted" not in result.details
 

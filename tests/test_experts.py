@@ -1,4 +1,4 @@
-"""The expert placer (solvers/experts.py) and the bounds (solvers/bounds.py).
+"""The expert placer (solvers/experts/) and its bounds (solvers/experts/bounds.py).
 
 References are brute force over every map on small random instances, and the evaluator
 (placement.cost.evaluate) for every cost the placer computes itself.
@@ -6,6 +6,7 @@ References are brute force over every map on small random instances, and the eva
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -16,22 +17,24 @@ from hypothesis import strategies as st
 
 from placement.checker import check, violates_group_preservation
 from placement.cost import evaluate
-from placement.model import Placement
+from placement.model import InvalidInputError, Placement
 from solvers.base import SolveOptions
-from solvers.bounds import per_pair_class_bound, sum_bounds, transport_optimum
 from solvers.default import default_rank2gpu
 from solvers.experts import (
-    SwapSearch,
+    LayerWorker,
+    StopCheck,
     balance_ranks,
     build_layer_problem,
     deterministic_budget,
     greedy_expert_domains,
     group_search,
-    layer_domain_cost,
     linear_costs,
     net_crossings,
+    per_pair_class_bound,
     place_experts,
     rank_load_ratio,
+    sum_bounds,
+    transport_optimum,
 )
 from tests.conftest import random_instance, random_placement
 
@@ -60,8 +63,8 @@ def _all_class_maps(capacity):
 
 
 def _group_preserving(problem, e2c):
-    """Independent check: some bijection of expert groups onto blocks matches every group's class counts."""
-    gs, B, C = problem.expert_group_size, problem.num_blocks, problem.num_classes
+    """Independent check: some bijection of expert groups onto group positions matches every group's class counts."""
+    gs, B, C = problem.expert_group_size, problem.num_group_positions, problem.num_classes
     s2c = problem.slot2class
     block = [np.bincount(s2c[b * gs:(b + 1) * gs], minlength=C).tolist() for b in range(B)]
     group = [np.bincount(e2c[p * gs:(p + 1) * gs], minlength=C).tolist() for p in range(B)]
@@ -74,7 +77,7 @@ def _group_preserving(problem, e2c):
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), mode=st.sampled_from(["per_domain", "per_pair"]), tp=st.sampled_from([1, 2]),
        ep=st.sampled_from([2, 4]))
-def test_layer_domain_cost_and_net_crossings_match_the_evaluator(seed, mode, tp, ep):
+def test_net_crossings_match_the_evaluator(seed, mode, tp, ep):
     rng = np.random.default_rng(seed)
     inst = random_instance(rng, num_experts=8, top_k=3, ep=ep, dp=4 // tp, tp=tp, pp=2, num_domains=3,
                            trays_per_domain=2, gpus_per_tray=2, tokens=7, moe_layers=3, cost_mode=mode)
@@ -83,7 +86,6 @@ def test_layer_domain_cost_and_net_crossings_match_the_evaluator(seed, mode, tp,
     e2r = pl.expert2eprank(inst.experts_per_rank)
     for li in range(inst.model.num_moe_layers):
         want = metrics.cross_domain_bytes_per_layer[li]
-        assert layer_domain_cost(inst, pl.rank2gpu, li, e2r[li]) == pytest.approx(want, rel=1e-12)
         problem = build_layer_problem(inst, pl.rank2gpu, li, group_preserving=False, validation_fraction=0.25)
         e2c = problem.rank2class[e2r[li]]
         got = net_crossings(problem.nets_all, e2c, problem.class_sig, mode) * problem.bytes_per_crossing
@@ -95,55 +97,17 @@ def test_layer_domain_cost_and_net_crossings_match_the_evaluator(seed, mode, tp,
             assert problem.nets_fit.num_tokens + problem.nets_val.num_tokens == problem.nets_all.num_tokens
 
 
-def test_layer_domain_cost_on_the_held_out_window():
+def test_net_crossings_on_the_held_out_window_match_the_evaluator():
     rng = np.random.default_rng(3)
     inst = random_instance(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, tokens=6)
     pl = random_placement(rng, inst)
     held = evaluate(inst, pl, window="heldout").cross_domain_bytes_per_layer
     e2r = pl.expert2eprank(inst.experts_per_rank)
+    as_sampled = dataclasses.replace(inst, routing=dataclasses.replace(inst.routing, topk=inst.routing.heldout_topk))
     for li in range(3):
-        assert layer_domain_cost(inst, pl.rank2gpu, li, e2r[li], window="heldout") == pytest.approx(held[li])
-
-
-# ---------------------------------------------------------------------------------------------
-# The swap search's incremental deltas are exact
-# ---------------------------------------------------------------------------------------------
-@settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10_000), mode=st.sampled_from(["per_domain", "per_pair"]))
-def test_swap_deltas_are_exact_and_incremental_state_matches_a_fresh_one(seed, mode):
-    rng = np.random.default_rng(seed)
-    inst, r2g = _straddling(rng, num_experts=12, top_k=3, ep=6, dp=6, pp=1, num_domains=3, trays_per_domain=2,
-                            gpus_per_tray=2, tokens=9, moe_layers=1, cost_mode=mode)
-    problem = build_layer_problem(inst, r2g, 0, group_preserving=False, validation_fraction=0)
-    if problem.num_classes < 2:
-        return
-    nets = problem.nets_all
-    search = SwapSearch(problem, nets)
-    e2c = rng.permutation(problem.slot2class)
-    search._init_state(e2c)
-    base = search.cost(e2c)
-    for e in range(problem.num_experts):
-        for f in range(problem.num_experts):
-            a, b = e2c[e], e2c[f]
-            if a == b:
-                continue
-            predicted = search.M[e, b] + search.M[f, a]
-            if search.R is not None:
-                predicted -= search.R[b][e, f] + search.R[a][f, e]
-            moved = e2c.copy()
-            moved[e], moved[f] = b, a
-            assert predicted == search.cost(moved) - base
-    # a few swaps applied incrementally leave the same state as computing it afresh
-    cur = e2c.copy()
-    for _ in range(4):
-        e, f = rng.choice(problem.num_experts, 2, replace=False)
-        if cur[e] != cur[f]:
-            search._apply(cur, int(e), int(f))
-    M, R, cnt = search.M.copy(), None if search.R is None else search.R.copy(), search.cnt.copy()
-    search._init_state(cur)
-    assert np.array_equal(cnt, search.cnt) and np.allclose(M, search.M)
-    if R is not None:
-        assert np.allclose(R, search.R)
+        problem = build_layer_problem(as_sampled, pl.rank2gpu, li, group_preserving=False, validation_fraction=0)
+        got = net_crossings(problem.nets_all, problem.rank2class[e2r[li]], problem.class_sig, inst.cost_mode)
+        assert got * problem.bytes_per_crossing == pytest.approx(held[li], rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +171,8 @@ def test_group_search_bound_is_valid_and_its_map_preserves_groups(seed):
     cap = problem.load_cap(10.0)  # no load cap: compare with every group-preserving map
     start = problem.default_expert2class
     res = group_search(problem, problem.nets_all, cap, start, deterministic_time=0.0, seed=0,
-                       deadline=time.monotonic() + 60)
+                       stop=StopCheck(time.monotonic() + 60))
+    assert res is not None
     space = [m for m in _all_class_maps(problem.class_capacity) if _group_preserving(problem, m)]
     best = min(net_crossings(problem.nets_all, m, problem.class_sig, "per_domain") for m in space)
     assert res.bound <= best <= res.crossings
@@ -257,17 +222,38 @@ def test_a_stop_request_returns_default_maps_at_once(tiny):
     assert all(d["status"] in ("trivial", "heuristic") for d in plan.details["layers"])
 
 
-def test_an_expert_map_hint_is_used_as_a_start(tiny):
+def test_an_expert_map_hint_is_used_as_a_start(tiny, monkeypatch):
+    """Every straddling layer's local search starts from the hint's class map too (a spy on the
+    search records its starts), and a hint of the wrong shape is refused naming the parameter."""
+    import solvers.experts.layer as layer_module
+
     inst = tiny.for_solver()
     r2g = default_rank2gpu(inst)
-    opts = SolveOptions(time_limit_s=8, seed=0, num_workers=1)
-    plain = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60)
-    hinted = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, hint_phy2log=plain.phy2log)
-    for d in hinted.details["layers"]:
-        if d["status"] != "trivial":
-            assert "layout_hint" in d["candidates"] or d.get("local_search_start") in ("greedy", "default", "layout_hint")
-    with pytest.raises(Exception, match="hint_phy2log"):
-        place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, hint_phy2log=plain.phy2log[:1])
+    opts = SolveOptions(time_limit_s=8, seed=0, num_workers=1, group_preserving=False)
+    E = inst.model.num_experts
+    hint = np.stack([np.random.default_rng(li).permutation(E) for li in range(inst.model.num_moe_layers)])
+    starts: list[tuple[int, np.ndarray]] = []
+
+    class Spy(layer_module.SwapSearch):
+        def run(self, e2c, cap, **kw):
+            starts.append((self.p.layer, np.array(e2c)))
+            return super().run(e2c, cap, **kw)
+
+    monkeypatch.setattr(layer_module, "SwapSearch", Spy)
+    place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, hint_phy2log=hint, class_tolerance=10.0,
+                  use_pool=False)
+    checked = 0
+    for li in range(inst.model.num_moe_layers):
+        problem = build_layer_problem(inst, r2g, li, group_preserving=False)
+        if problem.trivial:
+            continue
+        want = np.empty(E, dtype=np.int64)
+        want[hint[li]] = problem.slot2class  # the class of the slot each expert sits on
+        assert any(layer == li and np.array_equal(m, want) for layer, m in starts), li
+        checked += 1
+    assert checked > 0
+    with pytest.raises(InvalidInputError, match="hint_phy2log"):
+        place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, hint_phy2log=hint[:1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +302,7 @@ def test_transport_optimum_is_the_brute_force_optimum_and_the_lp_bounds_it():
     maps = list(_all_class_maps(problem.class_capacity))
     costs = [net_crossings(nets, m, problem.class_sig, "per_pair") for m in maps]
     opt, e2c = transport_optimum(linear_costs(problem, nets), problem.class_capacity)
+    assert opt == net_crossings(nets, e2c, problem.class_sig, "per_pair")
     assert opt == min(costs) == net_crossings(nets, e2c, problem.class_sig, "per_pair")
     exact = per_pair_class_bound(problem, nets, None)
     assert exact.integral and exact.bound == min(costs)
@@ -336,21 +323,14 @@ def test_deterministic_budget_depends_only_on_its_arguments():
 
 def test_unsolved_layer_keeps_the_layouts_map(tiny):
     """A layer cut by the deadline keeps the map its rank layout was scored with, when valid."""
-    import solvers.experts as ex
-
-    saved = dict(ex._WORKER)
-    try:
-        ex._WORKER["instance"] = tiny.for_solver()
-        ex._WORKER["group_preserving"] = True
-        E = tiny.model.num_experts
-        hint = np.concatenate([np.arange(4, 8), np.arange(4)[::-1], np.arange(8, E)])  # groups swapped
-        kept = ex._default_outcome(0, "deadline reached", hint)
-        assert kept.details["chosen"] == "layout_hint"
-        assert (hint[kept.expert2slot] == np.arange(E)).all()  # expert2slot inverts phy2log
-        broken = hint.copy()
-        broken[[0, 4]] = broken[[4, 0]]  # mixes two groups in one block: not allowed
-        assert ex._default_outcome(0, "deadline reached", broken).details["chosen"] == "default"
-        assert ex._default_outcome(0, "deadline reached", None).details["chosen"] == "default"
-    finally:
-        ex._WORKER.clear()
-        ex._WORKER.update(saved)
+    inst = tiny.for_solver()
+    worker = LayerWorker(inst, default_rank2gpu(inst), True, 0.25)
+    E = tiny.model.num_experts
+    hint = np.concatenate([np.arange(4, 8), np.arange(4)[::-1], np.arange(8, E)])  # groups swapped
+    kept = worker.fallback(0, "deadline reached", hint)
+    assert kept.details["chosen"] == "layout_hint"
+    assert (hint[kept.expert2slot] == np.arange(E)).all()  # expert2slot inverts phy2log
+    broken = hint.copy()
+    broken[[0, 4]] = broken[[4, 0]]  # mixes two groups in one group position: not allowed
+    assert worker.fallback(0, "deadline reached", broken).details["chosen"] == "default"
+    assert worker.fallback(0, "deadline reached", None).details["chosen"] == "default"

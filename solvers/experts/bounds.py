@@ -8,7 +8,7 @@ the cost of a map is linear in the expert -> class assignment, ``sum_e cost[e, c
 the token's EP group.  With exact class capacities this is a transportation problem (experts supply
 one unit each, class ``c`` demands ``capacity[c]``).  Its constraint matrix is the incidence matrix of
 a bipartite graph, totally unimodular, so the LP optimum is integral and *is* the optimum over all
-maps: :func:`transport_optimum` solves it exactly as a linear assignment over the slots.
+maps: :func:`transport_optimum` solves it exactly (:func:`solvers.kernels.assign_to_counts`).
 
 Adding the per-class load caps (``sum_e load[g, e] x[e, c] <= cap[g, c]``) breaks total unimodularity:
 :func:`per_pair_class_bound` solves that LP with HiGHS and returns its optimum as a lower bound on
@@ -16,7 +16,7 @@ every map within the caps (exact when the LP solution happens to be integral, wh
 Group-preserving maps are a subset of all maps, so both bounds hold for them too.
 
 ``per_domain`` has no such structure (its natural LP relaxation ``y[n, d] >= x[e, c]`` is weak); the
-bound there is CP-SAT's ``best_objective_bound`` (:mod:`solvers.experts`), and :func:`sum_bounds` adds
+bound there is CP-SAT's ``best_objective_bound`` (:mod:`solvers.experts.cpsat_model`), and :func:`sum_bounds` adds
 per-layer bounds into a bound for the whole layout (bytes), if every layer has one.
 """
 
@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment, linprog
+from scipy.optimize import linprog
+from scipy.sparse import csr_matrix
+
+from solvers.experts.problem import LayerProblem, NetSet, linear_costs
+from solvers.kernels import assign_to_counts
 
 __all__ = ["ClassBound", "transport_optimum", "per_pair_class_bound", "sum_bounds"]
 
@@ -62,15 +66,8 @@ def transport_optimum(cost: np.ndarray, capacity: np.ndarray) -> tuple[float, np
     >>> transport_optimum(np.array([[0., 5.], [1., 0.], [0., 2.]]), np.array([2, 1]))[0]
     0.0
     """
-    cost = np.asarray(cost, dtype=np.float64)
-    capacity = np.asarray(capacity, dtype=np.int64)
-    if int(capacity.sum()) != cost.shape[0]:
-        raise ValueError(f"capacity sums to {int(capacity.sum())}, expected {cost.shape[0]} experts")
-    slot_class = np.repeat(np.arange(cost.shape[1]), capacity)
-    rows, cols = linear_sum_assignment(cost[:, slot_class])
-    e2c = np.empty(cost.shape[0], dtype=np.int64)
-    e2c[rows] = slot_class[cols]
-    return float(cost[np.arange(cost.shape[0]), e2c].sum()), e2c
+    e2c, total = assign_to_counts(cost, capacity)
+    return total, e2c
 
 
 def _lp(cost: np.ndarray, capacity: np.ndarray, load: np.ndarray | None, cap: np.ndarray | None) -> ClassBound:
@@ -91,8 +88,6 @@ def _lp(cost: np.ndarray, capacity: np.ndarray, load: np.ndarray | None, cap: np
         vals += [1.0] * E
         b_eq.append(float(capacity[c]))
         r += 1
-    from scipy.sparse import csr_matrix
-
     a_eq = csr_matrix((vals, (rows, cols)), shape=(r, nvar))
     a_ub = b_ub = None
     if load is not None and cap is not None:
@@ -105,7 +100,9 @@ def _lp(cost: np.ndarray, capacity: np.ndarray, load: np.ndarray | None, cap: np
                 uvals += [float(v) for v in load[g]]
                 b_ub.append(float(cap[g, c]))
         a_ub = csr_matrix((uvals, (urows, ucols)), shape=(G * C, nvar))
-    res = linprog(cost.reshape(-1), A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0.0, 1.0), method="highs")
+    # scipy accepts sparse constraint matrices here; scipy-stubs only lists dense ones.
+    res = linprog(cost.reshape(-1), A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0.0, 1.0),  # type: ignore[call-overload]
+                  method="highs")
     if res.status != 0:
         return ClassBound(None, False, None)
     xs = res.x.reshape(E, C)
@@ -113,17 +110,15 @@ def _lp(cost: np.ndarray, capacity: np.ndarray, load: np.ndarray | None, cap: np
     return ClassBound(float(res.fun), integral, xs.argmax(axis=1).astype(np.int64) if integral else None)
 
 
-def per_pair_class_bound(problem, nets, cap: np.ndarray | None) -> ClassBound:
+def per_pair_class_bound(problem: LayerProblem, nets: NetSet, cap: np.ndarray | None) -> ClassBound:
     """Lower bound on a ``per_pair`` layer's crossings on ``nets`` over maps within ``cap``.
 
     Parameters
     ----------
-    problem : a :class:`solvers.experts.LayerProblem` in ``per_pair`` cost mode.
-    nets : the tokens (a :class:`solvers.experts.NetSet`).
+    problem : a layer in ``per_pair`` cost mode.
+    nets : the tokens.
     cap : (G, C) load caps, or None for the pure transportation problem (then the bound is exact).
     """
-    from solvers.experts import linear_costs
-
     if problem.cost_mode != "per_pair":
         raise ValueError("per_pair_class_bound: the layer's cost mode is not per_pair")
     cost = linear_costs(problem, nets)
