@@ -169,7 +169,7 @@ def build_all(
     steps_of = [s for s, _ in checkpoints]
     base = {
         "function": "placement.realroute",
-        "command": "python -m placement.realroute " + str(outdir) + ("" if seed == 0 else f" --seed {seed}") + ("" if steps == 500 else f" --steps {steps}"),
+        "command": "python -m placement.realroute OUTDIR" + ("" if seed == 0 else f" --seed {seed}") + ("" if steps == 500 else f" --steps {steps}"),
         "model": asdict(model_cfg),
         "train": asdict(train_cfg),
         "corpus": corpus.describe(),
