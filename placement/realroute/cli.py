@@ -120,7 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     if args.stats:
-        rows = stats_rows(args.outdir)
+        from placement.model import PlacementError
+
+        try:
+            rows = stats_rows(args.outdir)
+        except PlacementError as exc:
+            log(f"python -m placement.realroute: {exc}")
+            return exc.exit_code
         w = max(len(r[0]) for r in rows)
         print(f"{'statistic (median over MoE layers [min-max])':<{w}}  {'real':<24}  generator (same shape)")
         for name, real, synth in rows:
