@@ -1,0 +1,14 @@
+"""A real routing source of the project's own (optional; the training part needs ``torch``).
+
+A small DeepSeek-V3-style MoE (:mod:`placement.realroute.moe`: sigmoid router, 8 expert groups
+with group-limited top-8 of 64 experts, aux-loss-free balancing bias, a shared expert) is trained
+on CPU on text that ships with the machine (:mod:`~placement.realroute.corpus`); its routing is
+recorded at checkpoints per data-parallel source (:mod:`~placement.realroute.record`) and written
+as ordinary instances, ``instances/real_*`` (:mod:`~placement.realroute.build`). Regenerate::
+
+    python -m placement.realroute instances/
+
+:mod:`~placement.realroute.stats` (numpy only) measures load skew, co-activation, source
+differences and drift of any routing array. Importing this package does not import torch.
+See docs/real_routing.md.
+"""
