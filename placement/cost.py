@@ -328,3 +328,48 @@ def report(instance: Instance, placement: Placement) -> dict:
                 out[f"heldout_{key}"] = value
     out.pop("window", None)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Primitives for the solvers' fast estimators (the rank layout's scorer): the same counting rules
+# and per-crossing weights as :func:`evaluate`, on one group's tokens.
+# ---------------------------------------------------------------------------------------------
+def crossings_per_token(token_domains: np.ndarray, src_domain: np.ndarray, cost_mode: CostMode) -> np.ndarray:
+    """Scale-out crossings of each token in ``cost_mode``, as :func:`evaluate` counts them.
+
+    Parameters
+    ----------
+    token_domains : (..., top_k) int, domain (or any part label) hosting each of a token's experts.
+    src_domain : (...) int, the token's source domain.
+    cost_mode : ``per_domain`` (distinct remote domains) or ``per_pair`` (remote experts).
+
+    Returns
+    -------
+    (...) int crossings.
+
+    Examples
+    --------
+    >>> crossings_per_token(np.array([[0, 1, 1, 2]]), np.array([0]), "per_pair")
+    array([3])
+    """
+    if cost_mode == "per_pair":
+        return (token_domains != src_domain[..., None]).sum(axis=-1)
+    return remote_domains_per_token(token_domains, src_domain)
+
+
+def sampled_token_weight(instance: Instance, sampled_tokens_per_source: int) -> float:
+    """Real tokens one sampled token stands for in one optimizer step (:func:`evaluate`'s weight)."""
+    return instance.parallel.tokens_per_dp_rank_per_step / max(1, sampled_tokens_per_source)
+
+
+def fabric_bytes_per_crossing(instance: Instance, sampled_tokens_per_source: int) -> float:
+    """Scale-out bytes per step of one sampled crossing (forward and backward, dispatch and combine)."""
+    return sampled_token_weight(instance, sampled_tokens_per_source) * instance.model.roundtrip_bytes_per_copy
+
+
+def nic_bytes_per_crossing(instance: Instance, sampled_tokens_per_source: int) -> float:
+    """Bytes per step one sampled crossing (or NVLink copy) puts on each end's port, one direction."""
+    return sampled_token_weight(instance, sampled_tokens_per_source) * instance.model.nic_bytes_per_copy
+
+
+__all__ += ["crossings_per_token", "sampled_token_weight", "fabric_bytes_per_crossing", "nic_bytes_per_crossing"]

@@ -1,4 +1,4 @@
-"""The rank-layout optimizer (solvers/layout.py) and the Slurm hostfile (placement/hostfile.py)."""
+"""The rank-layout optimizer (solvers/layout/) and the Slurm hostfile (placement/hostfile.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from solvers.default import default_rank2gpu
 from solvers.layout import (
     BlockScorer,
     FootprintModel,
-    _Tokens,
-    _crossings,
     estimate_layout,
     layout_blocks,
     place_on_parts,
@@ -25,6 +23,7 @@ from solvers.layout import (
     shape_candidates,
     stage_footprints,
 )
+from solvers.layout.tokens import Tokens, crossings
 from tests.conftest import random_instance
 
 
@@ -88,7 +87,7 @@ def test_place_on_parts_counts_exactly_and_beats_contiguous(mode, seed):
     topk = np.stack([rng.choice(E, size=k, replace=False) for _ in range(n)])
     src = rng.integers(0, ep, size=n)
     part_of_ep = np.array([0, 0, 0, 1])
-    tok = _Tokens(topk, src, E)
+    tok = Tokens(topk, src, E)
     pl = place_on_parts(tok, part_of_ep, 2, experts_per_rank=2, mode=mode, group_size=None)
     assert np.bincount(pl.expert2part, minlength=2).tolist() == [6, 2]
     src_part = part_of_ep[src]
@@ -109,14 +108,14 @@ def test_place_on_parts_group_preserving_keeps_groups_on_blocks():
     topk = np.stack([rng.choice(E, size=3, replace=False) for _ in range(60)])
     src = rng.integers(0, 8, size=60)
     part_of_ep = np.array([0, 0, 0, 0, 0, 1, 1, 1])  # 2 slots per rank: block 2 is split 2/2
-    tok = _Tokens(topk, src, E)
+    tok = Tokens(topk, src, E)
     pl = place_on_parts(tok, part_of_ep, 2, experts_per_rank=2, mode="per_domain", group_size=gs)
     slot2part = np.repeat(part_of_ep, 2)
-    assert sorted(pl.group2block.tolist()) == [0, 1, 2, 3]
-    for g, blk in enumerate(pl.group2block):
+    assert sorted(pl.group2position.tolist()) == [0, 1, 2, 3]
+    for g, blk in enumerate(pl.group2position):
         want = np.bincount(slot2part[blk * gs : (blk + 1) * gs], minlength=2)
         assert np.bincount(pl.expert2part[g * gs : (g + 1) * gs], minlength=2).tolist() == want.tolist()
-    assert pl.crossings == int(_crossings(tok, pl.expert2part, part_of_ep[src], 2, "per_domain").sum())
+    assert pl.crossings == int(crossings(tok, pl.expert2part, part_of_ep[src], "per_domain").sum())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,10 +458,11 @@ def _sliver_prone(seed: int) -> Instance:
 def _every_footprint(inst: Instance) -> list[tuple[float, float, list[float]]]:
     """Brute force: (total bytes, slowest stage s, stage times) of every footprint of the blocks over
     the domains, each scored by the estimator (contiguous slices, its own expert maps)."""
-    from solvers.layout import _free_per_domain, _summarise
+    from solvers.layout.blocks import free_per_domain
+    from solvers.layout.candidates import summarise
 
     blocks = layout_blocks(inst)
-    free = _free_per_domain(inst)
+    free = free_per_domain(inst)
     D = len(free)
     scorer = BlockScorer(inst, group_preserving=False)
     per_block = []
@@ -474,7 +474,7 @@ def _every_footprint(inst: Instance) -> list[tuple[float, float, list[float]]]:
         if any(sum(f.get(d, 0) for f in feet) > free[d] for d in range(D)):
             continue
         a2ps = [scorer.slices(blk, tuple(sorted(f.values(), reverse=True))) for blk, f in zip(blocks, feet)]
-        est = _summarise(inst, blocks, a2ps, scorer)
+        est = summarise(inst, blocks, a2ps, scorer)
         out.append((est["total_bytes"], est["slowest_stage_s"], est["stage_time_s"]))
     return out
 
@@ -512,6 +512,7 @@ def test_evaluator_check_falls_back_to_the_default_layout(monkeypatch):
     """If the evaluator found every candidate slower than the default (the estimator's times are
     approximate), the default layout with contiguous experts is returned."""
     from placement import cost
+    from solvers.layout import plan as planner
 
     inst = _sliver_prone(40)
     real = cost.evaluate
@@ -526,7 +527,7 @@ def test_evaluator_check_falls_back_to_the_default_layout(monkeypatch):
 
         return dataclasses.replace(m, alltoall_time_s_per_step=m.alltoall_time_s_per_step * 100)
 
-    monkeypatch.setattr(cost, "evaluate", pessimistic)
+    monkeypatch.setattr(planner, "evaluate", pessimistic)
     plan = _plan(inst)
     assert plan.details["chosen"] == "default, contiguous experts"
     assert plan.rank2gpu.tolist() == default_r2g.tolist() and plan.phy2log.tolist() == identity.tolist()
@@ -575,15 +576,15 @@ def _eight_wide() -> Instance:
 
 def _slowed(monkeypatch, seconds: float) -> None:
     """Make every expert placement of the layout take ``seconds`` longer (a busy machine)."""
-    from solvers import layout
+    from solvers.layout import scorer
 
-    real = layout.place_on_parts
+    real = scorer.place_on_parts
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(layout, "place_on_parts", slow)
+    monkeypatch.setattr(scorer, "place_on_parts", slow)
 
 
 def test_a_binding_work_budget_gives_the_same_layout_and_details_on_a_slower_machine(monkeypatch):
