@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from placement.checker import check, deepep_violations
 from placement.cost import evaluate
@@ -142,6 +144,52 @@ def test_estimate_matches_evaluator(mode, tp):
         m = evaluate(inst, placement)
         assert est["total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9)
         assert est["stage_bytes"] == pytest.approx(m.cross_domain_bytes_per_stage, rel=1e-9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), mode=st.sampled_from(["per_domain", "per_pair"]), groups=st.sampled_from([2, 3]),
+       tp=st.sampled_from([1, 2]), gp=st.booleans())
+def test_estimate_holds_against_the_evaluator_with_several_ep_groups_per_stage(seed, mode, groups, tp, gp):
+    """Bytes: exact (each stage's EP groups share one expert map, as the evaluator has it).
+    Busiest NIC per layer: exact in ``per_domain``; in ``per_pair`` the estimate spreads a part's
+    arrivals evenly over its GPUs, so it lies within [evaluator / ep, 2 * evaluator].  Times: per
+    layer the busier of that NIC and the contiguous map's NVLink floor, so per stage at least the
+    evaluator's NIC time (over ep in ``per_pair``) and at most the evaluator's time (twice in
+    ``per_pair``) plus the contiguous map's, scored by the evaluator in ``per_domain``."""
+    rng = np.random.default_rng(seed)
+    ep = 4
+    inst = random_instance(rng, num_experts=8, top_k=3, ep=ep, dp=groups * ep // tp, tp=tp, pp=2,
+                           num_domains=4, trays_per_domain=groups, gpus_per_tray=2 * tp, tokens=8, moe_layers=4,
+                           num_groups=2 if gp else 1, cost_mode=mode)
+    assert inst.parallel.stage_ep_groups.shape[1] == groups
+    cl = inst.cluster
+    # TP pairs stay inside a tray (the layout's invariant): permute trays and the pairs' slots
+    pairs = rng.permutation(cl.num_gpus // tp)
+    r2g = (pairs[:, None] * tp + np.arange(tp)).reshape(-1)[: inst.parallel.world_size]
+    est = estimate_layout(inst, r2g, group_preserving=gp)
+    placement = Placement(r2g, est["phy2log"])
+    assert check(inst, placement) == []
+    m = evaluate(inst, placement)
+    assert est["total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9, abs=1e-6)
+    assert est["stage_bytes"] == pytest.approx(m.cross_domain_bytes_per_stage, rel=1e-9, abs=1e-6)
+    nic_bw = cl.scaleout_gbps * 1e9
+    est_nic = np.array(est["layer_nic_s"]) * nic_bw
+    true_nic = np.array(m.max_gpu_cross_domain_bytes_per_layer)
+    identity = np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1))
+    contiguous = evaluate(inst, Placement(r2g, identity), cost_mode="per_domain")
+    l2s = inst.moe_layer2stage
+    true_nic_s = np.bincount(l2s, weights=true_nic / nic_bw, minlength=inst.parallel.pp)
+    tol = 1e-9
+    if mode == "per_domain":
+        assert est_nic == pytest.approx(true_nic, rel=1e-9, abs=1e-6)
+        low, high = true_nic_s, np.array(m.alltoall_time_s_per_stage) + contiguous.alltoall_time_s_per_stage
+    else:
+        assert np.all(est_nic >= true_nic / ep * (1 - tol)) and np.all(est_nic <= 2 * true_nic * (1 + tol) + 1e-6)
+        low = true_nic_s / ep
+        high = 2 * np.array(m.alltoall_time_s_per_stage) + contiguous.alltoall_time_s_per_stage
+    got = np.array(est["stage_time_s"])
+    assert np.all(got >= low * (1 - tol) - 1e-15) and np.all(got <= high * (1 + tol) + 1e-15), (got, low, high)
+    assert est["slowest_stage_s"] == pytest.approx(got.max())
 
 
 def test_estimate_group_preserving_map_is_group_preserving(tiny):

@@ -134,14 +134,25 @@ def estimate_layout(instance: Instance, rank2gpu: np.ndarray, *, group_preservin
 
 
 def summarise(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.ndarray], scorer: BlockScorer,
-               stop: Callable[[], bool] | None = None) -> dict:
+              stop: Callable[[], bool] | None = None) -> dict:
     """The estimate of a complete layout given as (n_atoms,) atom -> part per block (see
-    :func:`estimate_layout`); ``block_scores`` adds each block's :class:`ShapeScore`.  Raises
-    :class:`solvers.layout.budget.Stopped` when ``stop()`` turns true between layers."""
+    :func:`estimate_layout`).
+
+    Every block is scored with its EP groups' own expert maps (``block_scores``, the prices the
+    footprint search keeps); a stage and layer then gets one map, the costliest block's, and a
+    stage with more than one EP group is scored again with that map for all of them (what the
+    evaluator counts), so the bytes are the evaluator's for ``phy2log``.  ``layer_nic_s``:
+    (num_moe_layers,) busiest NIC seconds of each MoE layer.
+
+    Raises
+    ------
+    solvers.layout.budget.Stopped
+        ``stop()`` turned true between layers.
+    """
     pp = instance.parallel.pp
     stage_bytes = [0.0] * pp
     stage_time = [0.0] * pp
-    chosen: dict[int, tuple[float, int, list]] = {}  # stage -> (weight, block, placements)
+    chosen: dict[int, tuple[float, int, LayerPlacements]] = {}  # stage -> (weight, block, placements)
     block_scores: list[ShapeScore] = []
     for block, a2p in zip(blocks, a2ps):
         sc, placements = scorer.score(block, a2p, stop=stop)
@@ -151,18 +162,39 @@ def summarise(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.nda
         if block.stage not in chosen or sc.total_bytes > chosen[block.stage][0]:
             chosen[block.stage] = (sc.total_bytes, block.index, placements)
     phy2log = _stage_phy2log(instance, blocks, a2ps, chosen, scorer)
+    layer_nic_s = np.zeros(instance.model.num_moe_layers)
+    for block, sc in zip(blocks, block_scores):
+        layer_nic_s[block.moe_layers] = np.maximum(layer_nic_s[block.moe_layers], sc.layer_nic_s)
+    for s in range(pp):
+        members = [i for i, b in enumerate(blocks) if b.stage == s]
+        if sum(blocks[i].ep_groups.shape[0] for i in members) > 1:
+            stage_bytes[s], stage_time[s] = _shared_map_stage(blocks, a2ps, members, scorer, phy2log, layer_nic_s)
     return {
         "total_bytes": float(sum(stage_bytes)),
         "slowest_stage_s": float(max(stage_time)) if stage_time else 0.0,
         "stage_bytes": [float(x) for x in stage_bytes],
         "stage_time_s": [float(x) for x in stage_time],
+        "layer_nic_s": [float(x) for x in layer_nic_s],
         "phy2log": phy2log,
         "block_scores": block_scores,
     }
 
 
+def _shared_map_stage(blocks: Sequence[Block], a2ps: Sequence[np.ndarray], members: Sequence[int],
+                      scorer: BlockScorer, phy2log: np.ndarray, layer_nic_s: np.ndarray) -> tuple[float, float]:
+    """(bytes, seconds) of one stage whose EP groups all use ``phy2log``; writes the stage's
+    layers' busiest NIC seconds into ``layer_nic_s``."""
+    scores = [scorer.score_fixed(blocks[i], a2ps[i], phy2log) for i in members]
+    layers = blocks[members[0]].moe_layers
+    nic = np.max([sc.layer_nic_s for sc in scores], axis=0) if len(layers) else np.zeros(0)
+    layer_nic_s[layers] = nic
+    floor = [max(scorer.nvlink_floor_s(blocks[i], int(l)) for i in members) for l in layers]
+    time_s = float(sum(max(float(n), f) for n, f in zip(nic, floor)))
+    return float(sum(sc.total_bytes for sc in scores)), time_s
+
+
 def _stage_phy2log(instance: Instance, blocks: Sequence[Block], a2ps: Sequence[np.ndarray],
-             chosen: dict[int, tuple[float, int, list]], scorer: BlockScorer) -> np.ndarray:
+             chosen: dict[int, tuple[float, int, LayerPlacements]], scorer: BlockScorer) -> np.ndarray:
     """One expert map per layer from the costliest block of its stage (first straddling EP group)."""
     m = instance.model
     E, epr = m.num_experts, instance.experts_per_rank

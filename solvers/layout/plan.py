@@ -282,8 +282,8 @@ class LayoutPlanner:
         """Among the candidates within the cap, the best on the objective (on a tie the later, more
         refined one), then the evaluator's check."""
         cands = self.cands
-        self.details["candidates"] = {c.name: {"total_bytes": c.estimate["total_bytes"],
-                                               "slowest_stage_s": c.estimate["slowest_stage_s"],
+        self.details["candidates"] = {c.name: {"estimated_total_bytes": c.estimate["total_bytes"],
+                                               "estimated_slowest_stage_s": c.estimate["slowest_stage_s"],
                                                "within_cap": self.within(c)} for c in cands}
         self.details["stage_time_cap_s"] = self.cap_s
         order = sorted((c for c in cands if self.within(c)),

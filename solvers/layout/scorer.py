@@ -18,9 +18,9 @@ from placement.cost import fabric_bytes_per_crossing, nic_bytes_per_crossing
 from placement.model import Instance
 from solvers.layout.blocks import Block
 from solvers.layout.budget import SCORE_BASE_S, SCORE_S_PER_PAIR, Stopped
-from solvers.layout.experts_on_parts import MAX_SWAPS, PartPlacement, place_on_parts
+from solvers.layout.experts_on_parts import MAX_SWAPS, PartPlacement, nic_copies, place_on_parts
 from solvers.layout.shapes import contiguous_atom_parts
-from solvers.layout.tokens import Tokens
+from solvers.layout.tokens import Tokens, crossings
 
 __all__ = ["ShapeScore", "BlockScorer", "VALIDATION_FRACTION", "TokenRange"]
 
@@ -204,6 +204,36 @@ class BlockScorer:
         out = (acc.result(), placements)
         self._scores[key] = out
         return out
+
+    def score_fixed(self, block: Block, atom2part: np.ndarray, phy2log: np.ndarray) -> ShapeScore:
+        """Score ``block`` with its atoms on parts ``atom2part`` (n_atoms,) under the given expert
+        map ``phy2log`` (num_moe_layers, E) for every EP group: no search, no work counted.
+
+        This is what the evaluator counts when a stage's EP groups share one map; with the map
+        an EP group's own placement gives, it equals that placement's :meth:`score`.
+        """
+        E = self.instance.model.num_experts
+        rank_part = {int(r): int(atom2part[i]) for i, atom in enumerate(block.atoms) for r in atom}
+        part_of_ep = [np.array([rank_part[int(r)] for r in eg], dtype=np.int64) for eg in block.ep_groups]
+        acc = _ScoreSum(int(atom2part.max()) + 1)
+        for layer in block.moe_layers:
+            lay: list[PartPlacement | None] = []
+            for g, parts in enumerate(part_of_ep):
+                used = np.unique(parts)
+                if len(used) == 1:
+                    lay.append(None)
+                    continue
+                local = np.searchsorted(used, parts)
+                expert2local = np.empty(E, dtype=np.int64)
+                expert2local[phy2log[int(layer)]] = np.repeat(local, self.experts_per_rank)[:E]
+                tok = self.tokens(block, g, int(layer))
+                src_part = local[tok.src]
+                cross = crossings(tok, expert2local, src_part, self.mode)
+                nic, into = nic_copies(tok, expert2local, local, src_part, len(used), self.mode, cross)
+                lay.append(PartPlacement(used[expert2local], None, int(cross.sum()), nic, into))
+            acc.add_layer(lay, part_of_ep, self.bytes_per_crossing, self.nic_s_per_copy,
+                          self.nvlink_floor_s(block, int(layer)))
+        return acc.result()
 
     def score_shape(self, block: Block, shape: Sequence[int], layers: Sequence[int] | None = None) -> ShapeScore:
         """Score ``block`` under ``shape`` with contiguous slices of atoms (larger parts first)."""
