@@ -311,6 +311,32 @@ def test_deepep_rule_holds_when_asked():
     assert sorted(len(f) for f in plan.details["stage_footprints"]) == [1, 2]
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), slices=st.sampled_from([1, 2, 4]))
+def test_the_layouts_own_equal_slice_rule_agrees_with_the_verifier(seed, slices):
+    """``solvers.layout.rules`` reads the DeepEP/HybridEP rule on its own; the verifier's reading
+    (placement.checker) must agree on layouts built to hold it and on random ones."""
+    from solvers.layout.rules import equal_slice_breaks
+
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, ep=8, dp=8, pp=2, num_domains=4, trays_per_domain=2, gpus_per_tray=2)
+    cl = inst.cluster
+    if rng.random() < 0.5:
+        r2g = rng.permutation(cl.num_gpus)[: inst.parallel.world_size]
+    else:  # every EP group in `slices` equal consecutive slices, each in its own domain
+        r2g = np.empty(inst.parallel.world_size, dtype=np.int64)
+        free = {d: list(rng.permutation(np.flatnonzero(cl.gpu2domain == d))) for d in range(cl.num_domains)}
+        for s in range(inst.parallel.pp):
+            for eg in inst.parallel.stage_ep_groups[s]:
+                doms = [d for d in rng.permutation(cl.num_domains) if len(free[d]) >= len(eg) // slices][:slices]
+                if len(doms) < slices:
+                    return
+                for i, chunk in enumerate(np.split(np.asarray(eg), slices)):
+                    r2g[chunk] = [free[doms[i]].pop() for _ in chunk]
+    placement = Placement(r2g, np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1)))
+    assert bool(equal_slice_breaks(inst, r2g)) == bool(deepep_violations(inst, placement))
+
+
 def test_deepep_rule_that_cannot_hold_is_infeasible():
     """Domains with 3, 3 and 2 free GPUs: an EP group of 4 cannot take equal slices."""
     rng = np.random.default_rng(6)
@@ -485,7 +511,7 @@ def test_a_stop_request_returns_a_valid_layout_at_once(tiny):
     plan = plan_layout(tiny, opts, deadline=t0 + 60)
     assert time.monotonic() - t0 < 5.0
     assert check(tiny, Placement(plan.rank2gpu, plan.phy2log)) == []
-    assert plan.details["wall_clock_cut"] is True
+    assert plan.wall_clock_cut is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,7 +622,7 @@ def test_never_worse_than_packed_or_default_at_any_budget(name, work_s):
     inst = placement.load_instance(INSTANCES / f"{name}.json").for_solver()
     gp = inst.model.group_limited
     plan = plan_layout(inst, SolveOptions(num_workers=1), deadline=time.monotonic() + 120, work_s=work_s)
-    assert plan.details["wall_clock_cut"] is False
+    assert plan.wall_clock_cut is False
     assert plan.details["work_budget_exhausted"] is (work_s == 0.0)
     cap = plan.details["stage_time_cap_s"]
     got = plan.details["estimate"]
@@ -641,7 +667,7 @@ def test_a_binding_work_budget_gives_the_same_layout_and_details_on_a_slower_mac
     inst = _eight_wide()
     opts = SolveOptions(num_workers=1)
     fast = plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=0.08)
-    assert fast.details["work_budget_exhausted"] is True and fast.details["wall_clock_cut"] is False
+    assert fast.details["work_budget_exhausted"] is True and fast.wall_clock_cut is False
     _slowed(monkeypatch, 0.003)
     slow = plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=0.08)
     assert slow.rank2gpu.tolist() == fast.rank2gpu.tolist() and slow.phy2log.tolist() == fast.phy2log.tolist()
@@ -669,5 +695,5 @@ def test_the_deadline_cuts_a_long_scoring_promptly(monkeypatch):
     plan = plan_layout(inst, SolveOptions(num_workers=1), deadline=t0 + 0.3, work_s=100.0)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.5, elapsed
-    assert plan.details["wall_clock_cut"] is True
+    assert plan.wall_clock_cut is True
     assert check(inst, Placement(plan.rank2gpu, plan.phy2log)) == []

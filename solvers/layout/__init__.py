@@ -56,7 +56,8 @@ Determinism and the clock (:mod:`.budget`).  The layout's work is sized by a det
 only if its *predicted* cost fits what is left, predicted from sizes and counts, never from the
 clock; HiGHS gets a node limit and every other step is a pure function of its inputs.  The
 wall-clock deadline and stop requests are the safety net, polled between steps and between the
-layers of every scoring; ``details["wall_clock_cut"]`` says when it fired.
+layers of every scoring; when it fires the log says so (a warning) and
+``LayoutPlan.wall_clock_cut`` is set, but the placement file records no wall-clock fact.
 """
 
 from __future__ import annotations

@@ -31,12 +31,6 @@ MILP_S_PER_NNZ_1_5 = 8e-7
 MILP_BOTTLENECK_FACTOR = 4.0
 
 
-def score_predict_s(pairs: int, num_parts: int) -> float:
-    """Predicted seconds of one expert placement of ``pairs`` (token, expert) pairs on
-    ``num_parts`` parts (see :data:`SCORE_BASE_S`)."""
-    return SCORE_BASE_S + SCORE_S_PER_PAIR * pairs * (num_parts - 1) ** 1.3
-
-
 def milp_predict_s(nnz: int, objective: str) -> float:
     """Predicted seconds of one footprint MILP with ``nnz`` nonzeros (see :data:`MILP_BASE_S`)."""
     factor = MILP_BOTTLENECK_FACTOR if objective == "bottleneck" else 1.0

@@ -187,7 +187,7 @@ class FootprintModel:
             obj = self._total_vec() + TIE_BREAK * self._z_vec()
         else:
             obj = self._z_vec() + TIE_BREAK * self._total_vec()
-        integrality = np.ones(self.n)
+        integrality = np.ones(self.n, dtype=np.int64)
         integrality[self.z] = 0
         ub = np.ones(self.n)
         ub[self.z] = np.inf

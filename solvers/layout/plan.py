@@ -58,11 +58,14 @@ class LayoutPlan:
     phy2log : (num_moe_layers, num_experts) int64 expert map the layout was scored with (domain
         level: which experts sit in which domain; inside a domain the order is by expert id).  A
         valid placement together with ``rank2gpu``; the expert placer refines it.
+    wall_clock_cut : the deadline or a stop request ended a step, so the result may depend on the
+        machine's speed (a wall-clock fact: logged, never written into ``details``).
     """
 
     rank2gpu: np.ndarray
     details: dict
     phy2log: np.ndarray | None = None
+    wall_clock_cut: bool = False
 
 
 class LayoutPlanner:
@@ -316,13 +319,12 @@ class LayoutPlanner:
         details["tp_cp_groups_split_across_trays"] = split_atoms(instance, self.blocks, rank2gpu)
         details["work_spent_s"] = round(budget.spent_s(), 6)
         details["work_budget_exhausted"] = bool(budget.exhausted)
-        details["wall_clock_cut"] = bool(budget.cut)
         if budget.cut:
             log.warning("rank layout: the wall clock or a stop request cut the work short; the layout may "
                         "depend on the machine's speed")
         log.info("rank layout: %s chosen in %.2f s wall (%.2f of %.2f predicted seconds of work%s)", chosen.name,
                  time.monotonic() - t_start, budget.spent_s(), budget.work_s, ", cut by the clock" if budget.cut else "")
-        return LayoutPlan(rank2gpu=rank2gpu, details=details, phy2log=phy2log)
+        return LayoutPlan(rank2gpu=rank2gpu, details=details, phy2log=phy2log, wall_clock_cut=bool(budget.cut))
 
     def run(self) -> LayoutPlan:
         t_start = time.monotonic()
@@ -361,7 +363,7 @@ def plan_layout(
     deadline : ``time.monotonic()`` instant by which to return (the safety net).
     work_s : the deterministic work budget in predicted seconds (default
         ``LAYOUT_WORK_SHARE * options.time_limit_s``): what the layout does depends on it, never on
-        the clock, unless the deadline or a stop request cuts a step (``details["wall_clock_cut"]``).
+        the clock, unless the deadline or a stop request cuts a step (:attr:`LayoutPlan.wall_clock_cut`, logged).
 
     Returns
     -------
