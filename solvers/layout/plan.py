@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 #: net, and of the solver's work budget (``SolveOptions.time_limit_s``) that it leaves to the
 #: expert placer (``1 - LAYOUT_TIME_SHARE``).
 LAYOUT_TIME_SHARE = 0.5
-#: Share of the solver's work budget that the rank layout may spend (predicted seconds).
-LAYOUT_WORK_SHARE = 0.5
+#: Share of the solver's work budget that the rank layout may spend (predicted seconds): a fifth
+#: of its wall share, so that a machine running steps 2-3x slower than predicted (a 2-core machine
+#: at load 4) still ends the work before the safety net fires (docs/layout.md has the measurements).
+LAYOUT_WORK_SHARE = 0.1
 #: Upper bound on candidate shapes per block; beyond it the number of parts is capped.
 MAX_SHAPES_PER_BLOCK = 2500
 #: Share of the layout's work budget kept for the replicas <-> experts alternation.
