@@ -44,7 +44,18 @@ import numpy as np
 
 from placement.model import CostMode, Instance, InvalidInputError, Placement
 
-__all__ = ["Window", "Metrics", "LayoutIndex", "evaluate", "report", "remote_domains_per_token"]
+__all__ = [
+    "Window",
+    "Metrics",
+    "LayoutIndex",
+    "evaluate",
+    "report",
+    "remote_domains_per_token",
+    "crossings_per_token",
+    "sampled_token_weight",
+    "fabric_bytes_per_crossing",
+    "nic_bytes_per_crossing",
+]
 
 Window = Literal["sampled", "heldout"]
 
@@ -179,26 +190,6 @@ def remote_domains_per_token(token_domains: np.ndarray, src_domain: np.ndarray) 
     return (first & (token_domains != src_domain[..., None])).sum(axis=-1)
 
 
-def fabric_bytes_per_crossing(instance: Instance, tokens_per_source: int) -> float:
-    """Fabric bytes per optimizer step that one crossing of one sampled token costs.
-
-    A sampled token stands for ``tokens_per_dp_rank_per_step / tokens_per_source`` real tokens,
-    and each crossing moves ``roundtrip_bytes_per_copy`` (dispatch and combine, forward and
-    backward) over the scale-out fabric: :func:`evaluate`'s cross-domain bytes are its crossings
-    times this.
-
-    Parameters
-    ----------
-    instance : the problem.
-    tokens_per_source : sampled tokens per data-parallel source in the window scored.
-    """
-    return float(instance.parallel.tokens_per_dp_rank_per_step / tokens_per_source
-                 * instance.model.roundtrip_bytes_per_copy)
-
-
-__all__ += ["fabric_bytes_per_crossing"]
-
-
 def evaluate(
     instance: Instance,
     placement: Placement,
@@ -227,7 +218,7 @@ def evaluate(
     num_layers, dp, tokens, k = topk.shape
     if layout is None or layout.src_rank.shape[2] != tokens:
         layout = LayoutIndex(instance, placement.rank2gpu, tokens)
-    weight = par.tokens_per_dp_rank_per_step / tokens  # real tokens per sampled token
+    weight = sampled_token_weight(instance, tokens)  # real tokens per sampled token
     nic_copy = model.nic_bytes_per_copy
     fabric_copy = model.roundtrip_bytes_per_copy
     gpu2domain = cl.gpu2domain
@@ -368,3 +359,46 @@ def report(instance: Instance, placement: Placement) -> dict:
         if instance.routing.heldout_topk is not None:
             out.update(step_model.predict_metrics(Metrics(**held), placement.rank2gpu).to_dict("heldout_"))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Primitives for the solvers' fast estimators (the rank layout's scorer): the same counting rules
+# and per-crossing weights as :func:`evaluate`, on one group's tokens.
+# ---------------------------------------------------------------------------------------------
+def crossings_per_token(token_domains: np.ndarray, src_domain: np.ndarray, cost_mode: CostMode) -> np.ndarray:
+    """Scale-out crossings of each token in ``cost_mode``, as :func:`evaluate` counts them.
+
+    Parameters
+    ----------
+    token_domains : (..., top_k) int, domain (or any part label) hosting each of a token's experts.
+    src_domain : (...) int, the token's source domain.
+    cost_mode : ``per_domain`` (distinct remote domains) or ``per_pair`` (remote experts).
+
+    Returns
+    -------
+    (...) int crossings.
+
+    Examples
+    --------
+    >>> crossings_per_token(np.array([[0, 1, 1, 2]]), np.array([0]), "per_pair")
+    array([3])
+    """
+    if cost_mode == "per_pair":
+        return (token_domains != src_domain[..., None]).sum(axis=-1)
+    return remote_domains_per_token(token_domains, src_domain)
+
+
+def sampled_token_weight(instance: Instance, sampled_tokens_per_source: int) -> float:
+    """Real tokens one sampled token stands for in one optimizer step (:func:`evaluate`'s weight)."""
+    return instance.parallel.tokens_per_dp_rank_per_step / max(1, sampled_tokens_per_source)
+
+
+def fabric_bytes_per_crossing(instance: Instance, sampled_tokens_per_source: int) -> float:
+    """Scale-out bytes per step of one sampled crossing (forward and backward, dispatch and combine)."""
+    return sampled_token_weight(instance, sampled_tokens_per_source) * instance.model.roundtrip_bytes_per_copy
+
+
+def nic_bytes_per_crossing(instance: Instance, sampled_tokens_per_source: int) -> float:
+    """Bytes per step one sampled crossing (or NVLink copy) puts on each end's port, one direction."""
+    return sampled_token_weight(instance, sampled_tokens_per_source) * instance.model.nic_bytes_per_copy
+

@@ -201,11 +201,21 @@ def test_time_limit_bounds_the_whole_command(tmp_path, monkeypatch):
 
 
 def test_the_console_script_counts_from_process_start():
-    from placement.cli import _process_started_at
-
-    started = _process_started_at()  # before reading the clock: the fallback (a process older than 60 s) is "now"
-    age_s = time.monotonic() - started
-    assert 0.0 <= age_s < 60.0  # this pytest process started a moment ago, or the fallback: now
+    """A fresh process notes the clock as its first statement, sleeps a second, then asks: the
+    start it gets lies before that first statement (interpreter start-up counts) and at least the
+    second slept before now.  Falling back to "now" fails the second condition."""
+    child = (
+        "import time; first = time.monotonic(); time.sleep(1.0)\n"
+        "from placement.cli import _process_started_at\n"
+        "started = _process_started_at(); now = time.monotonic()\n"
+        "print(first - started, now - started)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    before_first_s, age_s = (float(x) for x in out.stdout.split())
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK")  # /proc/self/stat counts the start in clock ticks
+    assert before_first_s >= -2 * tick_s, out.stdout  # the start is not after the first statement
+    assert age_s >= 1.0, out.stdout  # the second slept is inside the counted time: not "now"
+    assert before_first_s < 60.0, out.stdout
 
 
 # ---------------------------------------------------------------------------------------------

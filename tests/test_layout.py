@@ -1,4 +1,4 @@
-"""The rank-layout optimizer (solvers/layout.py) and the Slurm hostfile (placement/hostfile.py)."""
+"""The rank-layout optimizer (solvers/layout/) and the Slurm hostfile (placement/hostfile.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from placement.checker import check, deepep_violations
 from placement.cost import evaluate
@@ -16,8 +18,6 @@ from solvers.default import default_rank2gpu
 from solvers.layout import (
     BlockScorer,
     FootprintModel,
-    _Tokens,
-    _crossings,
     estimate_layout,
     layout_blocks,
     place_on_parts,
@@ -25,6 +25,7 @@ from solvers.layout import (
     shape_candidates,
     stage_footprints,
 )
+from solvers.layout.tokens import Tokens, crossings
 from tests.conftest import random_instance
 
 
@@ -88,7 +89,7 @@ def test_place_on_parts_counts_exactly_and_beats_contiguous(mode, seed):
     topk = np.stack([rng.choice(E, size=k, replace=False) for _ in range(n)])
     src = rng.integers(0, ep, size=n)
     part_of_ep = np.array([0, 0, 0, 1])
-    tok = _Tokens(topk, src, E)
+    tok = Tokens(topk, src, E)
     pl = place_on_parts(tok, part_of_ep, 2, experts_per_rank=2, mode=mode, group_size=None)
     assert np.bincount(pl.expert2part, minlength=2).tolist() == [6, 2]
     src_part = part_of_ep[src]
@@ -109,14 +110,14 @@ def test_place_on_parts_group_preserving_keeps_groups_on_blocks():
     topk = np.stack([rng.choice(E, size=3, replace=False) for _ in range(60)])
     src = rng.integers(0, 8, size=60)
     part_of_ep = np.array([0, 0, 0, 0, 0, 1, 1, 1])  # 2 slots per rank: block 2 is split 2/2
-    tok = _Tokens(topk, src, E)
+    tok = Tokens(topk, src, E)
     pl = place_on_parts(tok, part_of_ep, 2, experts_per_rank=2, mode="per_domain", group_size=gs)
     slot2part = np.repeat(part_of_ep, 2)
-    assert sorted(pl.group2block.tolist()) == [0, 1, 2, 3]
-    for g, blk in enumerate(pl.group2block):
+    assert sorted(pl.group2position.tolist()) == [0, 1, 2, 3]
+    for g, blk in enumerate(pl.group2position):
         want = np.bincount(slot2part[blk * gs : (blk + 1) * gs], minlength=2)
         assert np.bincount(pl.expert2part[g * gs : (g + 1) * gs], minlength=2).tolist() == want.tolist()
-    assert pl.crossings == int(_crossings(tok, pl.expert2part, part_of_ep[src], 2, "per_domain").sum())
+    assert pl.crossings == int(crossings(tok, pl.expert2part, part_of_ep[src], "per_domain").sum())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +144,52 @@ def test_estimate_matches_evaluator(mode, tp):
         m = evaluate(inst, placement)
         assert est["total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9)
         assert est["stage_bytes"] == pytest.approx(m.cross_domain_bytes_per_stage, rel=1e-9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), mode=st.sampled_from(["per_domain", "per_pair"]), groups=st.sampled_from([2, 3]),
+       tp=st.sampled_from([1, 2]), gp=st.booleans())
+def test_estimate_holds_against_the_evaluator_with_several_ep_groups_per_stage(seed, mode, groups, tp, gp):
+    """Bytes: exact (each stage's EP groups share one expert map, as the evaluator has it).
+    Busiest NIC per layer: exact in ``per_domain``; in ``per_pair`` the estimate spreads a part's
+    arrivals evenly over its GPUs, so it lies within [evaluator / ep, 2 * evaluator].  Times: per
+    layer the busier of that NIC and the contiguous map's NVLink floor, so per stage at least the
+    evaluator's NIC time (over ep in ``per_pair``) and at most the evaluator's time (twice in
+    ``per_pair``) plus the contiguous map's, scored by the evaluator in ``per_domain``."""
+    rng = np.random.default_rng(seed)
+    ep = 4
+    inst = random_instance(rng, num_experts=8, top_k=3, ep=ep, dp=groups * ep // tp, tp=tp, pp=2,
+                           num_domains=4, trays_per_domain=groups, gpus_per_tray=2 * tp, tokens=8, moe_layers=4,
+                           num_groups=2 if gp else 1, cost_mode=mode)
+    assert inst.parallel.stage_ep_groups.shape[1] == groups
+    cl = inst.cluster
+    # TP pairs stay inside a tray (the layout's invariant): permute trays and the pairs' slots
+    pairs = rng.permutation(cl.num_gpus // tp)
+    r2g = (pairs[:, None] * tp + np.arange(tp)).reshape(-1)[: inst.parallel.world_size]
+    est = estimate_layout(inst, r2g, group_preserving=gp)
+    placement = Placement(r2g, est["phy2log"])
+    assert check(inst, placement) == []
+    m = evaluate(inst, placement)
+    assert est["total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9, abs=1e-6)
+    assert est["stage_bytes"] == pytest.approx(m.cross_domain_bytes_per_stage, rel=1e-9, abs=1e-6)
+    nic_bw = cl.scaleout_gbps * 1e9
+    est_nic = np.array(est["layer_nic_s"]) * nic_bw
+    true_nic = np.array(m.max_gpu_cross_domain_bytes_per_layer)
+    identity = np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1))
+    contiguous = evaluate(inst, Placement(r2g, identity), cost_mode="per_domain")
+    l2s = inst.moe_layer2stage
+    true_nic_s = np.bincount(l2s, weights=true_nic / nic_bw, minlength=inst.parallel.pp)
+    tol = 1e-9
+    if mode == "per_domain":
+        assert est_nic == pytest.approx(true_nic, rel=1e-9, abs=1e-6)
+        low, high = true_nic_s, np.array(m.alltoall_time_s_per_stage) + contiguous.alltoall_time_s_per_stage
+    else:
+        assert np.all(est_nic >= true_nic / ep * (1 - tol)) and np.all(est_nic <= 2 * true_nic * (1 + tol) + 1e-6)
+        low = true_nic_s / ep
+        high = 2 * np.array(m.alltoall_time_s_per_stage) + contiguous.alltoall_time_s_per_stage
+    got = np.array(est["stage_time_s"])
+    assert np.all(got >= low * (1 - tol) - 1e-15) and np.all(got <= high * (1 + tol) + 1e-15), (got, low, high)
+    assert est["slowest_stage_s"] == pytest.approx(got.max())
 
 
 def test_estimate_group_preserving_map_is_group_preserving(tiny):
@@ -262,6 +309,32 @@ def test_deepep_rule_holds_when_asked():
     placement = Placement(plan.rank2gpu, np.tile(np.arange(16), (4, 1)))
     assert check(inst, placement) == [] and deepep_violations(inst, placement) == []
     assert sorted(len(f) for f in plan.details["stage_footprints"]) == [1, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), slices=st.sampled_from([1, 2, 4]))
+def test_the_layouts_own_equal_slice_rule_agrees_with_the_verifier(seed, slices):
+    """``solvers.layout.rules`` reads the DeepEP/HybridEP rule on its own; the verifier's reading
+    (placement.checker) must agree on layouts built to hold it and on random ones."""
+    from solvers.layout.rules import equal_slice_breaks
+
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, ep=8, dp=8, pp=2, num_domains=4, trays_per_domain=2, gpus_per_tray=2)
+    cl = inst.cluster
+    if rng.random() < 0.5:
+        r2g = rng.permutation(cl.num_gpus)[: inst.parallel.world_size]
+    else:  # every EP group in `slices` equal consecutive slices, each in its own domain
+        r2g = np.empty(inst.parallel.world_size, dtype=np.int64)
+        free = {d: list(rng.permutation(np.flatnonzero(cl.gpu2domain == d))) for d in range(cl.num_domains)}
+        for s in range(inst.parallel.pp):
+            for eg in inst.parallel.stage_ep_groups[s]:
+                doms = [d for d in rng.permutation(cl.num_domains) if len(free[d]) >= len(eg) // slices][:slices]
+                if len(doms) < slices:
+                    return
+                for i, chunk in enumerate(np.split(np.asarray(eg), slices)):
+                    r2g[chunk] = [free[doms[i]].pop() for _ in chunk]
+    placement = Placement(r2g, np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1)))
+    assert bool(equal_slice_breaks(inst, r2g)) == bool(deepep_violations(inst, placement))
 
 
 def test_deepep_rule_that_cannot_hold_is_infeasible():
@@ -438,7 +511,7 @@ def test_a_stop_request_returns_a_valid_layout_at_once(tiny):
     plan = plan_layout(tiny, opts, deadline=t0 + 60)
     assert time.monotonic() - t0 < 5.0
     assert check(tiny, Placement(plan.rank2gpu, plan.phy2log)) == []
-    assert plan.details["wall_clock_cut"] is True
+    assert plan.wall_clock_cut is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,10 +532,11 @@ def _sliver_prone(seed: int) -> Instance:
 def _every_footprint(inst: Instance) -> list[tuple[float, float, list[float]]]:
     """Brute force: (total bytes, slowest stage s, stage times) of every footprint of the blocks over
     the domains, each scored by the estimator (contiguous slices, its own expert maps)."""
-    from solvers.layout import _free_per_domain, _summarise
+    from solvers.layout.blocks import free_per_domain
+    from solvers.layout.candidates import summarise
 
     blocks = layout_blocks(inst)
-    free = _free_per_domain(inst)
+    free = free_per_domain(inst)
     D = len(free)
     scorer = BlockScorer(inst, group_preserving=False)
     per_block = []
@@ -474,7 +548,7 @@ def _every_footprint(inst: Instance) -> list[tuple[float, float, list[float]]]:
         if any(sum(f.get(d, 0) for f in feet) > free[d] for d in range(D)):
             continue
         a2ps = [scorer.slices(blk, tuple(sorted(f.values(), reverse=True))) for blk, f in zip(blocks, feet)]
-        est = _summarise(inst, blocks, a2ps, scorer)
+        est = summarise(inst, blocks, a2ps, scorer)
         out.append((est["total_bytes"], est["slowest_stage_s"], est["stage_time_s"]))
     return out
 
@@ -512,6 +586,7 @@ def test_evaluator_check_falls_back_to_the_default_layout(monkeypatch):
     """If the evaluator found every candidate slower than the default (the estimator's times are
     approximate), the default layout with contiguous experts is returned."""
     from placement import cost
+    from solvers.layout import plan as planner
 
     inst = _sliver_prone(40)
     real = cost.evaluate
@@ -526,7 +601,7 @@ def test_evaluator_check_falls_back_to_the_default_layout(monkeypatch):
 
         return dataclasses.replace(m, alltoall_time_s_per_step=m.alltoall_time_s_per_step * 100)
 
-    monkeypatch.setattr(cost, "evaluate", pessimistic)
+    monkeypatch.setattr(planner, "evaluate", pessimistic)
     plan = _plan(inst)
     assert plan.details["chosen"] == "default, contiguous experts"
     assert plan.rank2gpu.tolist() == default_r2g.tolist() and plan.phy2log.tolist() == identity.tolist()
@@ -547,7 +622,7 @@ def test_never_worse_than_packed_or_default_at_any_budget(name, work_s):
     inst = placement.load_instance(INSTANCES / f"{name}.json").for_solver()
     gp = inst.model.group_limited
     plan = plan_layout(inst, SolveOptions(num_workers=1), deadline=time.monotonic() + 120, work_s=work_s)
-    assert plan.details["wall_clock_cut"] is False
+    assert plan.wall_clock_cut is False
     assert plan.details["work_budget_exhausted"] is (work_s == 0.0)
     cap = plan.details["stage_time_cap_s"]
     got = plan.details["estimate"]
@@ -575,15 +650,15 @@ def _eight_wide() -> Instance:
 
 def _slowed(monkeypatch, seconds: float) -> None:
     """Make every expert placement of the layout take ``seconds`` longer (a busy machine)."""
-    from solvers import layout
+    from solvers.layout import scorer
 
-    real = layout.place_on_parts
+    real = scorer.place_on_parts
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(layout, "place_on_parts", slow)
+    monkeypatch.setattr(scorer, "place_on_parts", slow)
 
 
 def test_a_binding_work_budget_gives_the_same_layout_and_details_on_a_slower_machine(monkeypatch):
@@ -592,7 +667,7 @@ def test_a_binding_work_budget_gives_the_same_layout_and_details_on_a_slower_mac
     inst = _eight_wide()
     opts = SolveOptions(num_workers=1)
     fast = plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=0.08)
-    assert fast.details["work_budget_exhausted"] is True and fast.details["wall_clock_cut"] is False
+    assert fast.details["work_budget_exhausted"] is True and fast.wall_clock_cut is False
     _slowed(monkeypatch, 0.003)
     slow = plan_layout(inst, opts, deadline=time.monotonic() + 120, work_s=0.08)
     assert slow.rank2gpu.tolist() == fast.rank2gpu.tolist() and slow.phy2log.tolist() == fast.phy2log.tolist()
@@ -620,5 +695,5 @@ def test_the_deadline_cuts_a_long_scoring_promptly(monkeypatch):
     plan = plan_layout(inst, SolveOptions(num_workers=1), deadline=t0 + 0.3, work_s=100.0)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.5, elapsed
-    assert plan.details["wall_clock_cut"] is True
+    assert plan.wall_clock_cut is True
     assert check(inst, Placement(plan.rank2gpu, plan.phy2log)) == []

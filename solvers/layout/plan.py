@@ -1,0 +1,379 @@
+"""The planner: peers' layouts, candidate shapes, the footprint search, replicas, and the choice
+(the package docstring has the method)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from placement.cost import evaluate
+from placement.model import InfeasibleError, Instance, Placement, SolverError
+from solvers.base import SolveOptions
+from solvers.layout.blocks import (Block, block_footprints, free_per_domain, layout_blocks, part_units,
+                                   stage_footprints, split_atoms)
+from solvers.layout.budget import Stopped, WorkBudget
+from solvers.layout.candidates import (Candidate, ExactScores, assign_gpus, estimate_from_metrics, first_fit,
+                                       offer_exact, public_estimate, rank_key, summarise)
+from solvers.layout.pricing import Footprints, FootprintSearch
+from solvers.layout.replicas import MAX_SOURCE_ROUNDS, place_sources
+from solvers.layout.rules import atoms_in_ep_order, equal_slice_breaks, infeasible_reason
+from solvers.layout.scorer import BlockScorer
+from solvers.layout.shapes import shape_candidates, shape_of
+
+__all__ = ["LayoutPlan", "LayoutPlanner", "plan_layout", "LAYOUT_TIME_SHARE", "LAYOUT_WORK_SHARE"]
+
+log = logging.getLogger(__name__)
+
+#: Share of the remaining wall time that ``solvers.cpsat`` gives the rank layout as its safety
+#: net, and of the solver's work budget (``SolveOptions.time_limit_s``) that it leaves to the
+#: expert placer (``1 - LAYOUT_TIME_SHARE``).
+LAYOUT_TIME_SHARE = 0.5
+#: Share of the solver's work budget that the rank layout may spend (predicted seconds): a fifth
+#: of its wall share, so that a machine running steps 2-3x slower than predicted (a 2-core machine
+#: at load 4) still ends the work before the safety net fires (docs/layout.md has the measurements).
+LAYOUT_WORK_SHARE = 0.1
+#: Upper bound on candidate shapes per block; beyond it the number of parts is capped.
+MAX_SHAPES_PER_BLOCK = 2500
+#: Share of the layout's work budget kept for the replicas <-> experts alternation.
+FINISH_SHARE = 0.2
+#: Predicted seconds of one run of :func:`placement.cost.evaluate` per routed expert id of the
+#: sampled window (the API's own scoring estimate, ``placement.api.SCORING_S_PER_EXPERT_ID``).
+EVAL_S_PER_EXPERT_ID = 1e-7
+METHOD = ("footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain "
+          "granularity); replicas <-> experts alternation on straddling blocks; default, packed and "
+          "first-fit layouts as candidates")
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """What :func:`plan_layout` returns.
+
+    rank2gpu : (world,) int64, physical GPU of each global rank.
+    details : JSON-serialisable, deterministic facts (no wall-clock values): per-stage footprints
+        over domains, the estimated total cross-domain bytes per step and slowest-stage all-to-all
+        time of every candidate (``candidates``, named as estimates) and of the chosen one, the
+        stage-time cap, the evaluator's check, solver status, the work budget and what it paid for.
+    phy2log : (num_moe_layers, num_experts) int64 expert map the layout was scored with (domain
+        level: which experts sit in which domain; inside a domain the order is by expert id).  A
+        valid placement together with ``rank2gpu``; the expert placer refines it.
+    wall_clock_cut : the deadline or a stop request ended a step, so the result may depend on the
+        machine's speed (a wall-clock fact: logged, never written into ``details``).
+    """
+
+    rank2gpu: np.ndarray
+    details: dict
+    phy2log: np.ndarray | None = None
+    wall_clock_cut: bool = False
+
+
+class LayoutPlanner:
+    """One run of the rank layout (see :func:`plan_layout` for the parameters).
+
+    State that outlives a step (candidates, exact block scores, the cap, the budget) lives here.
+    """
+
+    def __init__(self, instance: Instance, options: SolveOptions, *, deadline: float, work_s: float | None):
+        from solvers.default import default_rank2gpu
+
+        self.instance, self.options = instance, options
+        m = instance.model
+        self.default_r2g = default_rank2gpu(instance)  # raises InfeasibleError on too few GPUs
+        self.consumer, self.objective = options.consumer, options.objective
+        self.equal_only = self.consumer in ("deepep", "hybridep")
+        self.gp = options.group_preserving_for(instance)
+        self.blocks = layout_blocks(instance)
+        self.free = free_per_domain(instance)
+        self.scorer = BlockScorer(instance, group_preserving=self.gp)
+        self.identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
+        self.eval_s = EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
+        work = LAYOUT_WORK_SHARE * options.time_limit_s if work_s is None else work_s
+        # the evaluator's check (the default's and the pick's) runs after the steps: keep its time
+        self.budget = WorkBudget(work, deadline, options, finish_s=2.0 * self.eval_s)
+        self.budget.add_scorers([self.scorer])
+        self.cands: list[Candidate] = []
+        self.exact: ExactScores = {}
+        self.cap_s: float | None = None
+        self.est_default: dict | None = None
+        self.infeasible_units = 0
+        self.default_ok = self.rule_ok(self.default_r2g)
+        self.details: dict = {
+            "method": METHOD,
+            "objective": self.objective,
+            "consumer": self.consumer,
+            "group_preserving": bool(self.gp),
+            "blocks": len(self.blocks),
+            "free_gpus_per_domain": [int(x) for x in self.free],
+            "work_budget_s": round(self.budget.work_s, 6),
+        }
+        if self.equal_only and not all(atoms_in_ep_order(b) for b in self.blocks):
+            raise InfeasibleError(
+                f"consumer {self.consumer!r}: with parallel.order {instance.parallel.order!r} the TP x CP groups of an "
+                "EP group are not consecutive EP ranks, so no layout gives equal consecutive slices per NVLink domain"
+            )
+
+    def rule_ok(self, r2g: np.ndarray) -> bool:
+        """The consumer's equal-slice rule holds for ``r2g`` (always, without a consumer rule)."""
+        return not self.equal_only or not equal_slice_breaks(self.instance, r2g)
+
+    # ---- candidates ----------------------------------------------------------------------
+    def add(self, name: str, r2g: np.ndarray, feet: Sequence[dict[int, int]], a2ps: Sequence[np.ndarray]) -> dict:
+        """Score a complete layout, keep it as a candidate, and its blocks' scores as exact entries."""
+        est = summarise(self.instance, self.blocks, a2ps, self.scorer, stop=self.budget.stopped)
+        self.cands.append(Candidate(name, np.asarray(r2g, dtype=np.int64), est))
+        if name == "default" and self.objective == "total":
+            self.cap_s = est["slowest_stage_s"]
+        for b, (foot, a2p) in enumerate(zip(feet, a2ps)):
+            if len(foot) > 1:
+                offer_exact(self.exact, (b, shape_of(foot)), est["block_scores"][b], a2p, self.cap_s, self.objective)
+        return est
+
+    def score_peers(self) -> list[Footprints]:
+        """The peers' layouts, scored first (whatever the budget): candidates, hints, and (default)
+        the cap; packed first, the stronger fallback when the clock cuts in between.  Returns the
+        hints."""
+        from solvers.packed import packed_rank2gpu
+
+        hints: list[Footprints] = []
+        packed_r2g = packed_rank2gpu(self.instance)
+        try:
+            packed_feet, packed_a2p = block_footprints(self.instance, self.blocks, packed_r2g)
+        except SolverError:  # a TP x CP group across domains: not a layout this package can score
+            packed_feet = []
+        if packed_feet and self.rule_ok(packed_r2g):
+            self.add("packed", packed_r2g, packed_feet, packed_a2p)
+            hints.append(packed_feet)
+        default_feet, default_a2p = block_footprints(self.instance, self.blocks, self.default_r2g)
+        if self.default_ok:
+            self.est_default = self.add("default", self.default_r2g, default_feet, default_a2p)
+            hints.insert(0, default_feet)
+        return hints
+
+    def unit_shapes(self, unit: int) -> list[list[tuple[int, ...]]]:
+        """Per block, the candidate shapes in parts of ``unit`` GPUs (or of its atoms)."""
+        max_free = int(self.free.max()) if self.free.size else 0
+        shapes: list[list[tuple[int, ...]]] = []
+        for blk in self.blocks:
+            unit_b = unit if blk.size % unit == 0 else blk.atom_size
+            mp = int(np.count_nonzero(self.free >= unit_b))
+            while True:
+                cand = shape_candidates(blk.size, unit_b, min(max_free, blk.size), mp, equal_only=self.equal_only,
+                                        limit=MAX_SHAPES_PER_BLOCK)
+                if self.equal_only or len(cand) <= MAX_SHAPES_PER_BLOCK or mp <= 2:
+                    break
+                mp -= 1
+            if self.equal_only:
+                cand = [c for c in cand if all(v % blk.atom_size == 0 for v in c)]
+            shapes.append(cand)
+        return shapes
+
+    def add_first_fit(self, unit: int, reserve_s: float) -> Footprints | None:
+        """The first-fit layout in parts of ``unit`` GPUs: a hint, and a candidate when affordable."""
+        first = first_fit(self.blocks, self.free, unit) if not self.equal_only else None
+        if first is not None and not any(c.name == "first_fit" for c in self.cands):
+            a2ps = [self.scorer.slices(blk, shape_of(f)) for blk, f in zip(self.blocks, first)]
+            predicted = sum(self.scorer.predict_s(blk, len(f)) for blk, f in zip(self.blocks, first))
+            if self.budget.affords(predicted + reserve_s):
+                self.add("first_fit", assign_gpus(self.instance, self.blocks, first, a2ps)[0], first, a2ps)
+        return first
+
+    def search_footprints(self, hints: list[Footprints]) -> list[Footprints] | None:
+        """The footprint search at the coarsest part unit that has a solution."""
+        finish_s = 2.0 * self.eval_s
+        reserve_s = finish_s + FINISH_SHARE * self.budget.work_s
+        for unit in part_units(self.instance, self.blocks):
+            shapes = self.unit_shapes(unit)
+            unit_hints = list(hints)
+            first = self.add_first_fit(unit, reserve_s)
+            if first is not None:
+                unit_hints.insert(0, first)
+            for feet in unit_hints:
+                for b, foot in enumerate(feet):
+                    if shape_of(foot) not in shapes[b]:
+                        shapes[b].append(shape_of(foot))
+            if any(not s for s in shapes):
+                self.infeasible_units += 1
+                continue
+            search = FootprintSearch(self.blocks, shapes, self.free, self.scorer, self.options, unit_hints,
+                                     self.budget, exact=self.exact, cap_s=self.cap_s, reserve_s=reserve_s,
+                                     finish_s=finish_s)
+            found, status = search.run()
+            self.details.update(search.details())
+            self.details["footprint_status"] = status
+            if found is not None:
+                self.details["part_unit_gpus"] = unit
+                return found
+            if status != "INFEASIBLE":
+                return None
+            self.infeasible_units += 1
+        return None
+
+    def score_picks(self, plan: list[Footprints]) -> tuple[Footprints, list[np.ndarray]]:
+        """Score the search's footprints as candidates; the better one's (footprints, atom parts)."""
+        picks = []
+        for name, feet in zip(("optimized", "optimized, best scored pick"), plan):
+            a2ps = []
+            for b, (blk, foot) in enumerate(zip(self.blocks, feet)):
+                sh = shape_of(foot)
+                a2ps.append(self.exact[b, sh][1] if (b, sh) in self.exact else self.scorer.slices(blk, sh))
+            self.add(name, assign_gpus(self.instance, self.blocks, feet, a2ps)[0], feet, a2ps)
+            picks.append((self.cands[-1], feet, a2ps))
+        _, feet, a2ps = min(picks, key=lambda p: rank_key(p[0].estimate, self.objective))
+        return feet, a2ps
+
+    def move_replicas(self, feet: Footprints, a2ps: list[np.ndarray]) -> None:
+        """The replicas <-> experts alternation on the straddling blocks; a candidate if any moved."""
+        blocks, scorer, budget = self.blocks, self.scorer, self.budget
+        straddling = [b for b in range(len(blocks)) if len(feet[b]) > 1]
+        src_info: dict[str, dict] = {}
+        if not self.equal_only and straddling:
+            fit = BlockScorer(self.instance, group_preserving=self.gp, tokens="fit")
+            val = BlockScorer(self.instance, group_preserving=self.gp, tokens="val")
+            budget.add_scorers([fit, val])
+            moved = list(a2ps)
+            try:
+                for b in straddling:
+                    P = len(feet[b])
+                    # up to MAX_SOURCE_ROUNDS + 1 scorings on the fit tokens, two on the
+                    # validation ones, one on all of them
+                    predicted = ((MAX_SOURCE_ROUNDS + 1) * fit.predict_s(blocks[b], P)
+                                 + 2 * val.predict_s(blocks[b], P) + scorer.predict_s(blocks[b], P))
+                    if not budget.affords(predicted + 2.0 * self.eval_s):
+                        src_info[str(b)] = {"skipped": "work budget"}
+                        continue
+                    moved[b], info = place_sources(fit, val, blocks[b], a2ps[b], stop=budget.stopped)
+                    src_info[str(b)] = info
+            except Stopped:
+                pass
+            if any(not np.array_equal(x, y) for x, y in zip(moved, a2ps)):
+                self.add("optimized, replicas moved", assign_gpus(self.instance, blocks, feet, moved)[0], feet, moved)
+        self.details["source_placement"] = src_info
+
+    # ---- the choice ----------------------------------------------------------------------
+    def within(self, c: Candidate) -> bool:
+        return self.cap_s is None or c.estimate["slowest_stage_s"] <= self.cap_s * (1 + 1e-9) + 1e-12
+
+    def evaluator_check(self, order: list[Candidate]) -> Candidate:
+        """The evaluator has the last word on time: the layout with its expert map must not make
+        the slowest stage slower than the default layout as the ``default`` solver gives it
+        (contiguous experts); candidates are checked in order, the default with contiguous experts
+        passes."""
+        instance, budget, identity = self.instance, self.budget, self.identity
+        budget.charge(self.eval_s)
+        default_metrics = evaluate(instance, Placement(self.default_r2g, identity))
+        default_s = default_metrics.alltoall_time_s_per_step
+        checked: list[dict] = []
+        chosen: Candidate | None = None
+        for c in order[: 1 if budget.cut else 3]:  # cut by the clock: one try, then the default
+            if c.name == "default" and np.array_equal(c.estimate["phy2log"], identity):
+                chosen = c
+                break
+            budget.charge(self.eval_s)
+            t = evaluate(instance, Placement(c.rank2gpu, c.estimate["phy2log"])).alltoall_time_s_per_step
+            checked.append({"candidate": c.name, "alltoall_time_s_per_step": t})
+            if t <= default_s * (1 + 1e-9) + 1e-12:
+                chosen = c
+                break
+        if chosen is None:
+            chosen = Candidate("default, contiguous experts", self.default_r2g,
+                               estimate_from_metrics(default_metrics, identity))
+        self.details["evaluator_check"] = {"default_alltoall_time_s_per_step": default_s, "checked": checked}
+        return chosen
+
+    def choose(self) -> Candidate:
+        """Among the candidates within the cap, the best on the objective (on a tie the later, more
+        refined one), then the evaluator's check."""
+        cands = self.cands
+        self.details["candidates"] = {c.name: {"estimated_total_bytes": c.estimate["total_bytes"],
+                                               "estimated_slowest_stage_s": c.estimate["slowest_stage_s"],
+                                               "within_cap": self.within(c)} for c in cands}
+        self.details["stage_time_cap_s"] = self.cap_s
+        order = sorted((c for c in cands if self.within(c)),
+                       key=lambda c: rank_key(c.estimate, self.objective) + (-cands.index(c),))
+        if self.default_ok and not order:  # stopped before anything was scored
+            return Candidate("default, contiguous experts", self.default_r2g, {})
+        if self.default_ok:
+            return self.evaluator_check(order)
+        if order:
+            return order[0]
+        raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
+
+    def finish(self, chosen: Candidate, t_start: float) -> LayoutPlan:
+        """The plan of ``chosen``, with the deterministic facts in ``details`` (the wall clock's
+        only in the log)."""
+        instance, budget, details = self.instance, self.budget, self.details
+        rank2gpu, est = chosen.rank2gpu.copy(), chosen.estimate
+        phy2log = est.get("phy2log", self.identity)
+        if self.equal_only:
+            bad = equal_slice_breaks(instance, rank2gpu)
+            if bad:  # the shapes and slices make this impossible: a bug, not a user error
+                raise SolverError(f"rank layout broke the {self.consumer} rule: {bad[0]}")
+        if self.est_default is not None:
+            details["default_estimate"] = public_estimate(self.est_default)
+        details["chosen"] = chosen.name
+        details["estimate"] = public_estimate(est) if est else None
+        details["estimated_total_bytes"] = est.get("total_bytes")
+        details["estimated_slowest_stage_s"] = est.get("slowest_stage_s")
+        details["stage_footprints"] = stage_footprints(instance, rank2gpu)
+        details["tp_cp_groups_split_across_trays"] = split_atoms(instance, self.blocks, rank2gpu)
+        details["work_spent_s"] = round(budget.spent_s(), 6)
+        details["work_budget_exhausted"] = bool(budget.exhausted)
+        if budget.cut:
+            log.warning("rank layout: the wall clock or a stop request cut the work short; the layout may "
+                        "depend on the machine's speed")
+        log.info("rank layout: %s chosen in %.2f s wall (%.2f of %.2f predicted seconds of work%s)", chosen.name,
+                 time.monotonic() - t_start, budget.spent_s(), budget.work_s, ", cut by the clock" if budget.cut else "")
+        return LayoutPlan(rank2gpu=rank2gpu, details=details, phy2log=phy2log, wall_clock_cut=bool(budget.cut))
+
+    def run(self) -> LayoutPlan:
+        t_start = time.monotonic()
+        try:
+            hints = self.score_peers()
+            plan = self.search_footprints(hints)
+            if plan is not None:
+                self.move_replicas(*self.score_picks(plan))
+        except Stopped:
+            pass
+        if not self.cands and not self.default_ok:
+            if self.equal_only and self.infeasible_units and not self.budget.cut:
+                inst = self.instance
+                raise InfeasibleError(infeasible_reason(self.consumer, self.blocks, self.free,
+                                                        inst.parallel.world_size, inst.cluster.num_domains))
+            raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
+        return self.finish(self.choose(), t_start)
+
+
+def plan_layout(
+    instance: Instance,
+    options: SolveOptions,
+    *,
+    deadline: float,
+    work_s: float | None = None,
+) -> LayoutPlan:
+    """Map the job's ranks onto the available GPUs (see the package docstring for the method).
+
+    Parameters
+    ----------
+    instance : the problem (solver view).
+    options : ``consumer`` (``deepep``/``hybridep``: equal consecutive slices per domain),
+        ``objective`` (``total`` or ``bottleneck``), ``time_limit_s`` (the work budget, see
+        ``work_s``), and ``group_preserving`` (whether the expert maps scored must keep expert
+        groups whole); ``stop_event`` is polled.
+    deadline : ``time.monotonic()`` instant by which to return (the safety net).
+    work_s : the deterministic work budget in predicted seconds (default
+        ``LAYOUT_WORK_SHARE * options.time_limit_s``): what the layout does depends on it, never on
+        the clock, unless the deadline or a stop request cuts a step (:attr:`LayoutPlan.wall_clock_cut`, logged).
+
+    Returns
+    -------
+    LayoutPlan
+
+    Raises
+    ------
+    InfeasibleError
+        Fewer available GPUs than ranks, or a consumer rule that no layout of the free GPUs meets.
+    """
+    return LayoutPlanner(instance, options, deadline=deadline, work_s=work_s).run()

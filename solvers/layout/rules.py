@@ -1,0 +1,71 @@
+"""The DeepEP/HybridEP equal-slice rule, as the layout enforces it.
+
+DeepEP's normal kernels and HybridEP address a peer as ``rank == rdma_rank * num_nvl_ranks +
+nvl_rank``: every EP group must hold the same number of consecutive EP ranks in each NVLink domain
+it touches.  The layout meets it by construction (only equal shapes, parts laid out as consecutive
+EP-rank slices); :func:`equal_slice_breaks` checks a given layout (the peers' layouts it starts
+from) with this package's own reading of the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from placement.model import Instance
+from solvers.layout.blocks import Block
+
+__all__ = ["equal_slice_breaks", "infeasible_reason", "atoms_in_ep_order"]
+
+
+def equal_slice_breaks(instance: Instance, rank2gpu: np.ndarray) -> list[str]:
+    """The EP groups of ``rank2gpu`` that do not hold equal consecutive slices per domain.
+
+    Returns
+    -------
+    list of one line per offending EP group (empty when the rule holds).
+    """
+    par = instance.parallel
+    dom = instance.cluster.gpu2domain[np.asarray(rank2gpu, dtype=np.int64)]
+    out = []
+    for s in range(par.pp):
+        for gi, ranks in enumerate(par.stage_ep_groups[s]):
+            d = dom[ranks]  # (ep,) domain of each EP rank
+            starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+            lengths = np.diff(np.r_[starts, len(d)])
+            if len(starts) != len(np.unique(d)) or len(np.unique(lengths)) != 1:
+                out.append(f"stage {s} EP group {gi}: slices of {lengths.tolist()} EP ranks over domains "
+                           f"{d[starts].tolist()}")
+    return out
+
+
+def atoms_in_ep_order(block: Block) -> bool:
+    """True when the block's TP x CP groups are consecutive EP ranks (needed to lay a shape's parts
+    out as consecutive EP-rank slices), or the block is not one EP group."""
+    if block.ep_groups.shape[0] != 1 or block.atoms.shape[0] <= 1:
+        return True
+    eg = {int(r): k for k, r in enumerate(block.ep_groups[0])}
+    return [eg[int(r)] for r in block.ranks] == list(range(block.size))
+
+
+def infeasible_reason(consumer: str, blocks: Sequence[Block], free: np.ndarray, world: int, num_domains: int) -> str:
+    """One line saying why no layout meets the equal-consecutive-slices rule."""
+    sizes = sorted({b.size for b in blocks})
+    a = blocks[0].atom_size if blocks else 1
+    slices = sorted({n // m for n in sizes for m in range(1, num_domains + 1) if n % m == 0 and (n // m) % a == 0},
+                    reverse=True)
+    msg = (f"consumer {consumer!r}: no layout gives every EP group equal consecutive slices per NVLink domain: "
+           f"an EP group of {'/'.join(map(str, sizes))} ranks may take {', '.join(map(str, slices))} GPUs in each "
+           f"domain it touches (at most {num_domains} domains)")
+    total = int(free.sum())
+    if world == total:
+        # every free GPU is needed, so every domain must be filled exactly by such slices
+        reach = {0}
+        for _ in range(max(1, int(free.max()) // max(1, min(slices)) + 1)):
+            reach |= {r + v for r in reach for v in slices if r + v <= int(free.max())}
+        bad = [int(f) for f in free if int(f) not in reach]
+        if bad:
+            return (msg + f", the job needs all {total} free GPUs, and {len(bad)} domain(s) with "
+                    f"{sorted(set(bad))} free GPUs cannot be filled by such slices")
+    return msg + f"; free GPUs per domain {free.tolist()}, the job needs {world}"
