@@ -8,6 +8,24 @@ much the fit and held-out windows differ.  ``placement stats`` prints it; the ge
 calibration (:func:`placement.generator.describe_calibration`) is built from the same functions,
 so a synthetic and an imported instance are measured alike.
 
+The per-array statistics below take ``topk``: (num_moe_layers, sources, tokens, top_k) expert
+ids, the shape of an instance's ``routing.topk``; each returns one value per MoE layer
+(``python -m placement.realroute --stats`` tabulates them for the real instances beside their
+generator twins):
+
+- :func:`load_max_mean`: the busiest expert's (token, expert) pairs over the mean.
+- :func:`partner_share`: the mean over experts of the share of an expert's co-selections (other
+  experts chosen by the same token) taken by its ``top`` most frequent partners; with
+  ``null=True`` the same for *independent* routing with the same per-expert loads and number of
+  tokens (seeded sampling without replacement), so the ratio measures co-activation beyond what
+  loads and sampling noise give.
+- :func:`source_tv`: :func:`mean_pairwise_tv` per layer; with ``null=True`` after shuffling
+  tokens across sources (a fresh seeded shuffle per layer).
+- :func:`load_tv`: the drift between two arrays (two windows, or two checkpoints/instances): total
+  variation between their global expert-load distributions.
+- :func:`partner_overlap`: the mean over experts of the fraction of its ``top`` partners in one
+  array that are also among its ``top`` partners in the other.
+
 Null baselines use a fixed seed, so the result is deterministic.
 """
 
@@ -19,7 +37,10 @@ import numpy as np
 
 from placement.model import Instance
 
-__all__ = ["routing_stats", "total_variation", "expert_counts", "mean_pairwise_tv", "coactivation_share", "normalise"]
+__all__ = [
+    "routing_stats", "total_variation", "expert_counts", "mean_pairwise_tv", "coactivation_share", "normalise",
+    "load_max_mean", "partner_share", "source_tv", "load_tv", "partner_overlap",
+]
 
 
 def total_variation(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -159,3 +180,91 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
         "window_tv_mean": float(window_tv.mean()) if window_tv.size else None,
     }
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-array statistics: topk (num_moe_layers, sources, tokens, top_k) -> (num_moe_layers,)
+# ---------------------------------------------------------------------------------------------
+def load_max_mean(topk: np.ndarray, num_experts: int) -> np.ndarray:
+    """(num_moe_layers,) busiest expert's load over the mean load, sources pooled."""
+    return np.array([_max_over_mean(expert_counts(layer, num_experts).astype(np.float64)) for layer in topk])
+
+
+def _coselections(tokens: np.ndarray, num_experts: int) -> np.ndarray:
+    """(E, E) counts of tokens that chose both experts (zero diagonal); ``tokens`` (N, k)."""
+    onehot = np.zeros((tokens.shape[0], num_experts), dtype=np.float64)
+    np.put_along_axis(onehot, tokens.astype(np.int64), 1.0, axis=1)
+    co = onehot.T @ onehot
+    np.fill_diagonal(co, 0.0)
+    return co
+
+
+def _top_share(co: np.ndarray, top: int) -> float:
+    tot = co.sum(axis=1)
+    best = -np.sort(-co, axis=1)[:, :top].sum(axis=1)
+    ok = tot > 0
+    return float(np.mean(best[ok] / tot[ok]))
+
+
+def _independent(loads: np.ndarray, n_tokens: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_tokens, k) independent draws without replacement whose expected loads match ``loads`` (E,).
+
+    Gumbel top-k on ``log w``; ``w`` is refitted a few times so that the sampled inclusion counts
+    approach ``loads`` (weights proportional to loads under-represent busy experts in top-k).
+    """
+    target = loads / loads.sum() * n_tokens * k
+    w = np.maximum(loads, 0.5)
+    for _ in range(6):
+        g = np.log(w)[None, :] + rng.gumbel(size=(n_tokens, loads.size))
+        ids = np.argpartition(-g, k - 1, axis=1)[:, :k]
+        got = np.maximum(np.bincount(ids.reshape(-1), minlength=loads.size), 0.5)
+        w = w * np.maximum(target, 0.5) / got
+    g = np.log(w)[None, :] + rng.gumbel(size=(n_tokens, loads.size))
+    return np.argpartition(-g, k - 1, axis=1)[:, :k]
+
+
+def partner_share(topk: np.ndarray, num_experts: int, top: int = 8, null: bool = False, seed: int = 0) -> np.ndarray:
+    """(num_moe_layers,) mean share of an expert's co-selections taken by its ``top`` partners."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for layer in topk:
+        tokens = layer.reshape(-1, layer.shape[-1])
+        if null:
+            loads = expert_counts(tokens, num_experts).astype(np.float64)
+            tokens = _independent(loads, tokens.shape[0], tokens.shape[1], rng)
+        out.append(_top_share(_coselections(tokens, num_experts), top))
+    return np.array(out)
+
+
+def source_tv(topk: np.ndarray, num_experts: int, null: bool = False, seed: int = 0) -> np.ndarray:
+    """(num_moe_layers,) :func:`mean_pairwise_tv` of each layer (``null``: tokens shuffled across sources)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for layer in topk:
+        if null:
+            S, T, k = layer.shape
+            layer = layer.reshape(S * T, k)[rng.permutation(S * T)].reshape(S, T, k)
+        out.append(mean_pairwise_tv(layer, num_experts))
+    return np.array(out)
+
+
+def load_tv(a: np.ndarray, b: np.ndarray, num_experts: int) -> np.ndarray:
+    """(num_moe_layers,) TV between the global expert-load distributions of ``a`` and ``b`` (drift)."""
+    return np.array(
+        [
+            float(total_variation(normalise(expert_counts(la, num_experts).astype(np.float64)),
+                                  normalise(expert_counts(lb, num_experts).astype(np.float64))))
+            for la, lb in zip(a, b)
+        ]
+    )
+
+
+def partner_overlap(a: np.ndarray, b: np.ndarray, num_experts: int, top: int = 8) -> np.ndarray:
+    """(num_moe_layers,) mean fraction of an expert's ``top`` partners shared by ``a`` and ``b``."""
+    out = []
+    for la, lb in zip(a, b):
+        ta = np.argsort(-_coselections(la.reshape(-1, la.shape[-1]), num_experts), axis=1, kind="stable")[:, :top]
+        tb = np.argsort(-_coselections(lb.reshape(-1, lb.shape[-1]), num_experts), axis=1, kind="stable")[:, :top]
+        out.append(float(np.mean([len(set(x) & set(y)) / top for x, y in zip(ta, tb)])))
+    return np.array(out)
+

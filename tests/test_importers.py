@@ -530,6 +530,65 @@ def test_routing_stats_against_brute_force():
     assert st_["tokens_per_source"] == {"fit": T, "heldout": held.shape[2]}
 
 
+# the per-array statistics of placement.stats (python -m placement.realroute --stats)
+def test_array_stats_against_brute_force():
+    from placement import stats
+
+    rng = np.random.default_rng(5)
+    n_exp, top = 10, 3
+    a = np.stack([[rng.permutation(n_exp)[:3] for _ in range(40)] for _ in range(2 * 3)]).reshape(2, 3, 40, 3)
+    b = np.stack([[rng.permutation(n_exp)[:3] for _ in range(40)] for _ in range(2 * 3)]).reshape(2, 3, 40, 3)
+
+    def cosel(layer):
+        co = np.zeros((n_exp, n_exp))
+        for tok in layer.reshape(-1, 3):
+            for x in tok:
+                for y in tok:
+                    if x != y:
+                        co[x, y] += 1
+        return co
+
+    for layer in range(2):
+        co = cosel(a[layer])
+        want = np.mean([sum(sorted(row, reverse=True)[:top]) / row.sum() for row in co if row.sum() > 0])
+        assert stats.partner_share(a, n_exp, top=top)[layer] == pytest.approx(want)
+        ca = np.bincount(a[layer].reshape(-1), minlength=n_exp)
+        cb = np.bincount(b[layer].reshape(-1), minlength=n_exp)
+        assert stats.load_max_mean(a, n_exp)[layer] == pytest.approx(ca.max() / ca.mean())
+        assert stats.load_tv(a, b, n_exp)[layer] == pytest.approx(0.5 * np.abs(ca / ca.sum() - cb / cb.sum()).sum())
+        cob = cosel(b[layer])
+        keep = []
+        for e in range(n_exp):
+            pa = set(sorted(range(n_exp), key=lambda j: (-co[e, j], j))[:top])
+            pb = set(sorted(range(n_exp), key=lambda j: (-cob[e, j], j))[:top])
+            keep.append(len(pa & pb) / top)
+        assert stats.partner_overlap(a, b, n_exp, top=top)[layer] == pytest.approx(np.mean(keep))
+    # the null keeps the loads (refitted) and is deterministic under its seed
+    null = stats.partner_share(a, n_exp, top=top, null=True)
+    assert np.array_equal(null, stats.partner_share(a, n_exp, top=top, null=True))
+
+
+def test_stats_on_constructed_routing():
+    from placement import stats
+
+    E = 16
+    same = np.tile(np.array([0, 1, 2, 3]), (1, 2, 50, 1))  # every token picks experts 0..3
+    assert stats.partner_share(same, E, top=3)[0] == pytest.approx(1.0)
+    assert stats.source_tv(same, E)[0] == pytest.approx(0.0)
+    rng = np.random.default_rng(0)
+    uniform = np.stack([rng.permutation(E)[:4] for _ in range(4000)]).reshape(1, 2, 2000, 4)
+    assert stats.load_max_mean(uniform, E)[0] < 1.15
+    # Independent routing: the observed and the null statistic agree.
+    share, null = stats.partner_share(uniform, E, top=3)[0], stats.partner_share(uniform, E, top=3, null=True)[0]
+    assert abs(share - null) < 0.02
+    # Two disjoint halves of the experts per source: TV 1; the shuffled null is far lower.
+    split = np.stack([np.tile(np.arange(4), (100, 1)), np.tile(np.arange(8, 12), (100, 1))])[None]
+    assert stats.source_tv(split, E)[0] == pytest.approx(1.0)
+    assert stats.source_tv(split, E, null=True)[0] < 0.3
+    assert stats.load_tv(split, split, E)[0] == 0.0
+    assert stats.partner_overlap(same, same, E, top=3)[0] == 1.0
+
+
 def test_vllm_bad_captures(tmp_path, capsys):
     par = dict(PARALLEL, pp=1, dp=1, ep=1, stage_layers=[[0, 1, 2, 3]], global_batch=2)
     sec = _sections(tmp_path, parallel=par)

@@ -8,7 +8,8 @@ as ordinary instances, ``instances/real_*`` (:mod:`~placement.realroute.build`).
 
     python -m placement.realroute instances/
 
-:mod:`~placement.realroute.stats` (numpy only) measures load skew, co-activation, source
-differences and drift of any routing array. Importing this package does not import torch.
+:mod:`placement.stats` (numpy only, the statistics ``placement stats`` prints) measures load
+skew, co-activation, source differences and drift of any routing array; ``python -m
+placement.realroute --stats`` tabulates them. Importing this package does not import torch.
 See docs/real_routing.md.
 """

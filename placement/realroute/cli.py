@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from placement.realroute import stats
+from placement import stats
 
 if TYPE_CHECKING:
     from placement.model import Instance
