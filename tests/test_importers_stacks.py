@@ -1,6 +1,6 @@
 """Routing recorded by the stacks' own code on CPU, imported and solved.
 
-- Megatron-Core 0.16.1: a tiny GPTModel with MoE (tests/stacks/record_tiny.py); its ``TopKRouter``
+- Megatron-Core 0.16.1: a tiny GPTModel with MoE (tests/stacks/tiny.py); its ``TopKRouter``
   returns ``(probs, routing_map)``.  Its wheel has no router tracer (Megatron-LM's
   ``megatron/core/transformer/moe/router_trace.py`` is newer), so :class:`RouterRecorder` writes
   the tracer's schema from forward hooks, emulating a dp=2 x pp=2 job: each data-parallel rank's
@@ -51,7 +51,7 @@ def _sorted_ids(ids: np.ndarray) -> np.ndarray:
 def megatron_gpt():
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    from tests.stacks.record_tiny import megatron_tiny_gpt
+    from tests.stacks.tiny import megatron_tiny_gpt
 
     return megatron_tiny_gpt(num_layers=4, num_experts=E, top_k=K)
 
@@ -115,7 +115,7 @@ def torchtitan_moes():
     pytest.importorskip("torch")
     pytest.importorskip("triton")  # torchtitan 0.3.0 imports it unconditionally
     pytest.importorskip("torchtitan")
-    from tests.stacks.record_tiny import torchtitan_tiny_moe
+    from tests.stacks.tiny import torchtitan_tiny_moe
 
     return [torchtitan_tiny_moe(dim=16, num_experts=E, top_k=K, seed=s) for s in (0, 1)]
 

@@ -17,11 +17,13 @@ from pathlib import Path
 def run(out_path: str) -> None:
     import torch
 
-    from tests.stacks.ckpt_tiny import (
-        GROUP_PRESERVING, NON_GROUP_PRESERVING, NUM_EXPERTS, free_port, megatron_batch, megatron_cpu_setup, megatron_gpt,
+    from tests.stacks.tiny import (
+        GROUP_PRESERVING, NON_GROUP_PRESERVING, NUM_EXPERTS, free_port, init_megatron_world, install_cpu_patches,
+        megatron_batch, megatron_gpt,
     )
 
-    megatron_cpu_setup(free_port())
+    install_cpu_patches()
+    init_megatron_world(free_port())
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer

@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 from placement import checkpoint as ck  # noqa: E402
 from placement.model import InvalidInputError  # noqa: E402
 from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
-from tests.stacks.ckpt_tiny import GROUP_PRESERVING, NUM_EXPERTS  # noqa: E402
+from tests.stacks.tiny import GROUP_PRESERVING, NUM_EXPERTS  # noqa: E402
 
 EMB, MLP, L, K = 8, 6, 2, 2
 MOE_LAYERS = (3, 5)  # model layers; scan positions 0 and 1

@@ -27,7 +27,7 @@ from placement.model import InfeasibleError  # noqa: E402
 from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")]
-from tests.stacks.ckpt_tiny import DIM, GROUP_PRESERVING, NON_GROUP_PRESERVING, NUM_EXPERTS, titan_model  # noqa: E402
+from tests.stacks.tiny import DIM, GROUP_PRESERVING, NON_GROUP_PRESERVING, NUM_EXPERTS, titan_model  # noqa: E402
 
 LAYERS = (1, 3)
 
