@@ -323,6 +323,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     instance = load_instance(args.instance)
     st = routing_stats(instance, distance=args.distance)
+    drift = None
+    if args.against is not None:
+        from placement.stats import routing_drift
+
+        other = load_instance(args.against)
+        try:
+            drift = routing_drift(instance, other)
+        except ValueError as exc:
+            raise InvalidInputError(f"{args.against}: {exc}") from None
+        st["drift"] = drift
     if args.json:
         print(json.dumps(st, sort_keys=True))
         return EXIT_OK
@@ -343,7 +353,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     label = f"co-activation d={st['coactivation_distance']}, top {st['coactivation_partners']} share"
     print(f"  {label:<44}{f(sm['coactivation']):>10}{f(sm['coactivation_null']):>10}")
     print(f"  {'fit vs held-out load TV (mean)':<44}{f(sm['window_tv_mean']):>10}")
+    print(f"  {'fit vs held-out top-8 partners kept':<44}{f(sm['window_partner_overlap']):>10}")
     print("  (null: tokens shuffled across sources, or the later layer's tokens shuffled: independent routing)")
+    if drift is not None:
+        ds = drift["summary"]
+        print(f"  drift against {drift['instances'][1]} (fit windows):")
+        print(f"  {'load TV':<44}{f(ds['load_tv']):>10}")
+        print(f"  {'top-8 partners kept':<44}{f(ds['partner_overlap']):>10}")
     return EXIT_OK
 
 
@@ -405,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("instance", help="instance JSON file")
     st.add_argument("--distance", type=int, default=1, help="MoE-layer distance of the co-activation statistic")
     st.add_argument("--json", action="store_true", help="print every statistic as JSON")
+    st.add_argument("--against", metavar="INSTANCE", help="also the drift (load TV, top-8 partners kept) against this instance")
 
     ve = sub.add_parser("verify", help="check a placement file against its instance; exit 2 listing every violation")
     ve.add_argument("instance", help="instance JSON file")

@@ -39,7 +39,7 @@ from placement.model import Instance
 
 __all__ = [
     "routing_stats", "total_variation", "expert_counts", "mean_pairwise_tv", "coactivation_share", "normalise",
-    "load_max_mean", "partner_share", "source_tv", "load_tv", "partner_overlap",
+    "routing_drift", "load_max_mean", "partner_share", "source_tv", "load_tv", "partner_overlap",
 ]
 
 
@@ -119,6 +119,8 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
         partners, and the same with the later layer's tokens shuffled (independent routing with the
         same loads); uniform routing with unlimited tokens gives 1/8.
         ``window_tv`` (L,): total variation between the fit and held-out windows' load histograms.
+        ``window_partner_overlap`` (L,): :func:`partner_overlap` (top-8) of the fit and held-out
+        windows (empty without a held-out window).
         ``summary``: medians of the per-layer lists (and the means for ``window_tv``).
     """
     if distance < 1:
@@ -144,9 +146,11 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
     if held is not None:
         held_loads = np.stack([expert_counts(held[i], E) for i in range(L)])
         window_tv = total_variation(normalise(loads.astype(float)), normalise(held_loads.astype(float)))
+        window_overlap = partner_overlap(fit, held, E).tolist()
         held_tokens = int(held.shape[2])
     else:
         window_tv = np.zeros(0)
+        window_overlap = []
         held_tokens = 0
 
     def med(x: Any) -> float | None:
@@ -168,6 +172,7 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
         "coactivation": co,
         "coactivation_null": co_null,
         "window_tv": window_tv.tolist(),
+        "window_partner_overlap": window_overlap,
     }
     out["summary"] = {
         "load_max_over_mean": med(out["load_max_over_mean"]),
@@ -178,8 +183,32 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
         "coactivation": med(co),
         "coactivation_null": med(co_null),
         "window_tv_mean": float(window_tv.mean()) if window_tv.size else None,
+        "window_partner_overlap": med(window_overlap),
     }
     return out
+
+
+def routing_drift(a: Instance, b: Instance) -> dict[str, Any]:
+    """Drift between two instances of the same model (two checkpoints, clusters or recordings).
+
+    Compares the fit windows: ``load_tv`` (L,) (:func:`load_tv`) and ``partner_overlap`` (L,)
+    (:func:`partner_overlap`, top-8 partners), with their medians in ``summary``.  Raises
+    ``ValueError`` when the expert count or the number of MoE layers differ.
+    """
+    E = a.model.num_experts
+    if b.model.num_experts != E or a.routing.topk.shape[0] != b.routing.topk.shape[0]:
+        raise ValueError(
+            f"{a.name} and {b.name} differ in shape: {E} vs {b.model.num_experts} experts, "
+            f"{a.routing.topk.shape[0]} vs {b.routing.topk.shape[0]} MoE layers"
+        )
+    tv = load_tv(a.routing.topk, b.routing.topk, E)
+    overlap = partner_overlap(a.routing.topk, b.routing.topk, E)
+    return {
+        "instances": [a.name, b.name],
+        "load_tv": tv.tolist(),
+        "partner_overlap": overlap.tolist(),
+        "summary": {"load_tv": float(np.median(tv)), "partner_overlap": float(np.median(overlap))},
+    }
 
 
 # ---------------------------------------------------------------------------------------------

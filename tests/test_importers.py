@@ -189,6 +189,24 @@ def test_cli_import_then_solve_and_stats(tmp_path, capsys):
     assert "source difference" in capsys.readouterr().out
 
 
+def test_stats_against_another_instance_is_the_drift(capsys):
+    from placement import stats
+
+    root = Path(__file__).resolve().parent.parent / "instances"
+    a, b = read_instance(root / "real_ep64.json"), read_instance(root / "real_ep64_c10.json")
+    assert main(["stats", str(root / "real_ep64.json"), "--against", str(root / "real_ep64_c10.json"), "--json"]) == 0
+    drift = json.loads(capsys.readouterr().out)["drift"]
+    E = a.model.num_experts
+    assert drift["load_tv"] == pytest.approx(stats.load_tv(a.routing.topk, b.routing.topk, E).tolist())
+    assert drift["partner_overlap"] == pytest.approx(stats.partner_overlap(a.routing.topk, b.routing.topk, E).tolist())
+    self_drift = stats.routing_drift(a, a)["summary"]
+    assert self_drift == {"load_tv": 0.0, "partner_overlap": 1.0}
+    # another shape: one line naming the file, exit 2
+    assert main(["stats", str(root / "real_ep64.json"), "--against", str(root / "tiny.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tiny.json" in err and "\n" not in err
+
+
 def test_base_instance_gives_the_sections(tmp_path):
     root = Path(__file__).resolve().parent.parent
     base = json.loads((root / "instances" / "tiny.json").read_text())
@@ -497,6 +515,7 @@ def test_build_routing_refuses_nothing():
 # placement stats: against plain loops on a small random instance
 # ---------------------------------------------------------------------------------------------
 def test_routing_stats_against_brute_force():
+    from placement import stats
     from placement.stats import routing_stats
     from tests.conftest import random_instance
 
@@ -518,6 +537,7 @@ def test_routing_stats_against_brute_force():
         assert st_["source_tv"][layer] == pytest.approx(np.mean(tv))
         hc = np.bincount(held[layer].reshape(-1), minlength=E)
         assert st_["window_tv"][layer] == pytest.approx(0.5 * np.abs(counts / counts.sum() - hc / hc.sum()).sum())
+    assert st_["window_partner_overlap"] == pytest.approx(stats.partner_overlap(fit, held, E).tolist())
     for layer in range(L - 1):
         pair = np.zeros((E, E))
         for s in range(S):

@@ -14,7 +14,7 @@ from placement import stats
 if TYPE_CHECKING:
     from placement.model import Instance
 
-__all__ = ["main", "stats_rows"]
+__all__ = ["main", "stats_rows", "twin_instance"]
 
 
 def _twin(inst: Instance) -> tuple[np.ndarray, np.ndarray]:
@@ -36,6 +36,19 @@ def _twin(inst: Instance) -> tuple[np.ndarray, np.ndarray]:
         groups_per_token=m.groups_per_token,
     )
     return w[0][:, :, : r.topk.shape[2]], w[1][:, :, : r.heldout_topk.shape[2]]
+
+
+def twin_instance(inst: Instance) -> Instance:
+    """``inst`` with the generator's routing of the same shape (:func:`_twin`), named ``{name}_generator``.
+
+    What ``placement stats`` measures for the generator column of the calibration tables.
+    """
+    import dataclasses
+
+    from placement.model import Routing
+
+    fit, held = _twin(inst)
+    return dataclasses.replace(inst, name=f"{inst.name}_generator", routing=Routing(fit, held))
 
 
 def stats_rows(outdir: str | Path) -> list[tuple[str, str, str]]:
