@@ -44,7 +44,7 @@ from typing import Literal
 
 import numpy as np
 
-from placement.checker import check, deepep_violations, group_breaks
+from placement.checker import check, deepep_violations, group_breaks  # noqa: F401 (group_breaks: part of this module's namespace)
 from placement.formats import atomic_write_text, read_instance, read_placement
 from placement.model import InfeasibleError, Instance, InvalidInputError, Placement, PlacementError
 from placement.permutation import (
@@ -53,9 +53,11 @@ from placement.permutation import (
     PERMUTATION_KIND,
     PERMUTATION_VERSION,
     parse_expert_permutation,
+    require_whole_groups,
 )
 
 __all__ = [
+    "require_placement_of",
     "ExportFormat",
     "LaunchWarning",
     "FORMATS",
@@ -344,13 +346,10 @@ def expert_permutation(instance: Instance, placement: Placement, stack: Literal[
     """
     m = instance.model
     p2l = np.asarray(placement.phy2log, dtype=np.int64)
-    breaks = group_breaks(p2l, m.num_experts, m.num_groups)
-    if m.group_limited and breaks:
-        raise InfeasibleError(
-            f"{stack}: the model routes within {m.groups_per_token} of {m.num_groups} expert groups, so a "
-            f"checkpoint permutation must keep groups whole, but {len(breaks)} MoE layer(s) break them "
-            f"(first: {breaks[0]}); solve with --group-preserving on"
-        )
+    breaks = require_whole_groups(
+        p2l, m, f"{stack}: the model routes within {m.groups_per_token} of {m.num_groups} expert groups, so a "
+        f"checkpoint permutation must keep groups whole",
+    )
     return {
         "kind": PERMUTATION_KIND,
         "version": PERMUTATION_VERSION,
@@ -617,18 +616,36 @@ def load_for_export(
     if instance_path is None:
         return None, placement, doc
     instance = read_instance(instance_path)
+    require_placement_of(instance, placement, doc, placement_path, instance_path,
+                         advice=": export it against the instance it was solved for")
+    return instance, placement, doc
+
+
+def require_placement_of(
+    instance: Instance, placement: Placement, doc: dict, placement_path: str | os.PathLike,
+    instance_path: str | os.PathLike, *, advice: str = "",
+) -> None:
+    """Check that the placement read from ``placement_path`` (``doc``) was solved for ``instance`` and is valid.
+
+    ``advice`` ends the SHA-256 mismatch message (what the command should be given instead).
+
+    Raises
+    ------
+    InvalidInputError
+        One line: the instance's SHA-256 differs from the one the placement names, or the first
+        violation the checker finds (and how many more).
+    """
     named = doc["instance"]
     if named["sha256"] != instance.sha256:
         raise InvalidInputError(
             f"{placement_path}: instance.sha256: the placement was made for instance {named['name']!r} "
             f"(sha256 {named['sha256'][:16]}...), but {instance_path} is {instance.name!r} "
-            f"(sha256 {instance.sha256[:16]}...): export it against the instance it was solved for"
+            f"(sha256 {instance.sha256[:16]}...){advice}"
         )
     problems = check(instance, placement)
     if problems:
         more = f" (and {len(problems) - 1} more; run placement verify)" if len(problems) > 1 else ""
         raise InvalidInputError(f"{placement_path}: {problems[0]}{more}")
-    return instance, placement, doc
 
 
 def export_file(

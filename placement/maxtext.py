@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from placement.checker import group_breaks
 from placement.model import InfeasibleError, Instance, Placement
 
 __all__ = [
@@ -134,20 +133,17 @@ def maxtext_export(instance: Instance, placement: Placement) -> dict:
         tp or cp above 1, MoE layers that are not the model's last layers, or a group-breaking
         permutation under group-limited routing.
     """
-    from placement.permutation import PERMUTATION_DIRECTION
+    from placement.permutation import PERMUTATION_DIRECTION, require_whole_groups
 
     problem = _refusal(instance)
     if problem:
         raise InfeasibleError(problem)
     m, cl = instance.model, instance.cluster
     p2l = np.asarray(placement.phy2log, dtype=np.int64)
-    breaks = group_breaks(p2l, m.num_experts, m.num_groups)
-    if m.group_limited and breaks:
-        raise InfeasibleError(
-            f"maxtext: MaxText routes within {m.groups_per_token} of {m.num_groups} groups of contiguous expert ids, "
-            f"so the expert permutation must keep groups whole, but {len(breaks)} MoE layer(s) break them "
-            f"(first: {breaks[0]}); solve with --group-preserving on"
-        )
+    breaks = require_whole_groups(
+        p2l, m, f"maxtext: MaxText routes within {m.groups_per_token} of {m.num_groups} groups of contiguous expert ids, "
+        f"so the expert permutation must keep groups whole",
+    )
     shape = mesh_shape(instance)
     coords = device_coordinates(instance)  # (stage, data, expert) -> rank
     axis_pos = {a: i for i, a in enumerate(MAXTEXT_MESH_AXES)}

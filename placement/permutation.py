@@ -88,6 +88,32 @@ MAXTEXT_EXPERT_PATHS: dict[str, int] = {
 }
 
 
+def require_whole_groups(phy2log: Any, model: Any, rule: str) -> list[str]:
+    """Refuse a group-breaking permutation when the model's routing is group-limited.
+
+    ``phy2log``: (num_moe_layers, E) physical slot -> logical expert; ``model``: the
+    :class:`placement.model.MoEModel`; ``rule``: the sentence start that says which reader needs
+    whole groups (the message goes on ``", but N MoE layer(s) break them (first: ...); ..."``).
+
+    Returns
+    -------
+    list of str
+        The group breaks (:func:`placement.checker.group_breaks`); empty when every layer keeps
+        its groups whole (always so under group-limited routing, else it raised).
+
+    Raises
+    ------
+    InfeasibleError
+        When ``model.group_limited`` and some layer moves an expert to another group.
+    """
+    breaks = group_breaks(np.asarray(phy2log, dtype=np.int64), model.num_experts, model.num_groups)
+    if model.group_limited and breaks:
+        raise InfeasibleError(
+            f"{rule}, but {len(breaks)} MoE layer(s) break them (first: {breaks[0]}); solve with --group-preserving on"
+        )
+    return breaks
+
+
 def parse_expert_permutation(doc: Mapping[str, Any] | str) -> tuple[dict[int, np.ndarray], dict]:
     """``({layer index: (E,) phy2log}, document)`` from a permutation document (dict or JSON text).
 

@@ -498,14 +498,7 @@ def show_files(
     if instance_path is None:
         raise InvalidInputError(f"--instance: show needs the instance file (the placement names instance {named['name']!r})")
     instance = read_instance(instance_path)
-    if named["sha256"] != instance.sha256:
-        raise InvalidInputError(
-            f"{placement_path}: instance.sha256: the placement was made for instance {named['name']!r} "
-            f"(sha256 {named['sha256'][:16]}...), but {instance_path} is {instance.name!r} "
-            f"(sha256 {instance.sha256[:16]}...)"
-        )
-    problems = check(instance, placement)
-    if problems:
-        more = f" (and {len(problems) - 1} more; run placement verify)" if len(problems) > 1 else ""
-        raise InvalidInputError(f"{placement_path}: {problems[0]}{more}")
+    from placement.export import require_placement_of
+
+    require_placement_of(instance, placement, doc, placement_path, instance_path)
     return draw_placement(instance, placement, out, window=window, label=f"solver {doc['solver']}")

@@ -94,6 +94,37 @@ class ImportResult:
     provenance: dict
 
 
+class LoadedIds:
+    """A :attr:`RouterCall.load` for ids already in memory: returns them, (tokens, top_k) int64."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = ids
+
+    def __call__(self) -> np.ndarray:
+        return self.ids
+
+
+def check_phy2log_map(p2l: np.ndarray, model: MoEModel, where: str, field: str) -> None:
+    """Refuse a stack's physical -> logical expert map that does not fit the model.
+
+    ``p2l``: (num_layers, physical experts) logical ids (int64); ``where``: the file (and record);
+    ``field``: the map's name in the stack's dump.
+
+    Raises
+    ------
+    InvalidInputError
+        On another shape, or a logical id outside ``[0, num_experts)``.
+    """
+    if p2l.ndim != 2 or p2l.shape[0] != model.num_layers:
+        raise InvalidInputError(
+            f"{where}: {field}: expected (num_layers={model.num_layers}, physical experts), found shape {p2l.shape}"
+        )
+    if p2l.size and (p2l.min() < 0 or p2l.max() >= model.num_experts):
+        raise InvalidInputError(f"{where}: {field}: logical ids must lie in [0, {model.num_experts})")
+
+
 class IdChecker:
     """Validates one call's ``(tokens, top_k)`` logical ids against the model; used by readers."""
 

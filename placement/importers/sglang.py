@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from placement.importers.core import IdChecker, RouterCall
+from placement.importers.core import IdChecker, LoadedIds, RouterCall, check_phy2log_map
 from placement.model import InvalidInputError, MoEModel
 
 __all__ = ["read_calls", "load_dump"]
@@ -97,15 +97,7 @@ def read_calls(
         if "last_physical_to_logical_map" not in doc:
             raise InvalidInputError(f"{path}: last_physical_to_logical_map: missing")
         p2l = _array(doc["last_physical_to_logical_map"], str(path), "last_physical_to_logical_map").astype(np.int64)
-        if p2l.ndim != 2 or p2l.shape[0] != model.num_layers:
-            raise InvalidInputError(
-                f"{path}: last_physical_to_logical_map: expected (num_layers={model.num_layers}, physical experts), "
-                f"found shape {p2l.shape}"
-            )
-        if p2l.size and (p2l.min() < 0 or p2l.max() >= model.num_experts):
-            raise InvalidInputError(
-                f"{path}: last_physical_to_logical_map: logical ids must lie in [0, {model.num_experts})"
-            )
+        check_phy2log_map(p2l, model, str(path), "last_physical_to_logical_map")
         num_physical = p2l.shape[1]
         for number, rec in enumerate(records, 1):
             where = f"{path}: record {number}"
@@ -145,16 +137,6 @@ def read_calls(
                     step=rec["forward_pass_id"],
                     layer=layer,
                     num_tokens=int(ids.shape[0]),
-                    load=_Const(ids),
+                    load=LoadedIds(ids),
                     rank=rank,
                 )
-
-
-class _Const:
-    __slots__ = ("ids",)
-
-    def __init__(self, ids: np.ndarray) -> None:
-        self.ids = ids
-
-    def __call__(self) -> np.ndarray:
-        return self.ids

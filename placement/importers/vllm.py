@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from placement.formats import _npz_bytes, atomic_write_bytes
-from placement.importers.core import IdChecker, RouterCall
+from placement.importers.core import IdChecker, LoadedIds, RouterCall, check_phy2log_map
 from placement.model import InvalidInputError, MoEModel
 
 __all__ = ["read_calls", "save_routed_experts"]
@@ -96,15 +96,7 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
                 p2l = None
                 if "physical_to_logical_map" in names:
                     p2l = npz["physical_to_logical_map"].astype(np.int64)
-                    if p2l.ndim != 2 or p2l.shape[0] != model.num_layers:
-                        raise InvalidInputError(
-                            f"{path}: physical_to_logical_map: expected (num_layers={model.num_layers}, physical "
-                            f"experts), found {p2l.shape}"
-                        )
-                    if p2l.size and (p2l.min() < 0 or p2l.max() >= model.num_experts):
-                        raise InvalidInputError(
-                            f"{path}: physical_to_logical_map: logical ids must lie in [0, {model.num_experts})"
-                        )
+                    check_phy2log_map(p2l, model, str(path), "physical_to_logical_map")
                 layers = list(model.moe_layers)
                 for number, name in requests:
                     where = f"{path}: {name}"
@@ -131,20 +123,10 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
                             step=number,
                             layer=layer,
                             num_tokens=int(ids.shape[0]),
-                            load=_Const(ids),
+                            load=LoadedIds(ids),
                             source=int(dp),
                         )
             except InvalidInputError:
                 raise
             except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
                 raise InvalidInputError(f"{path}: not a readable .npz (truncated or corrupt): {exc}") from None
-
-
-class _Const:
-    __slots__ = ("ids",)
-
-    def __init__(self, ids: np.ndarray) -> None:
-        self.ids = ids
-
-    def __call__(self) -> np.ndarray:
-        return self.ids
