@@ -133,7 +133,7 @@ def maxtext_export(instance: Instance, placement: Placement) -> dict:
         tp or cp above 1, MoE layers that are not the model's last layers, or a group-breaking
         permutation under group-limited routing.
     """
-    from placement.permutation import PERMUTATION_DIRECTION, require_whole_groups
+    from placement.permutation import PERMUTATION_DIRECTION, group_fields, require_whole_groups
 
     problem = _refusal(instance)
     if problem:
@@ -182,12 +182,7 @@ def maxtext_export(instance: Instance, placement: Placement) -> dict:
         "processes": processes,
         "experts": {
             "direction": PERMUTATION_DIRECTION,
-            "num_experts": m.num_experts,
-            "num_groups": m.num_groups,
-            "groups_per_token": m.groups_per_token,
-            "group_limited": m.group_limited,
-            "group_preserving": not breaks,
-            "ep": instance.parallel.ep,
+            **group_fields(instance, breaks),
             "first_num_dense_layers": first_dense,
             # TrainState(params={"params": jax_weights}) in checkpoint_conversion/utils/utils.py
             "tree_root": "params/params",

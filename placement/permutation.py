@@ -114,6 +114,23 @@ def require_whole_groups(phy2log: Any, model: Any, rule: str) -> list[str]:
     return breaks
 
 
+def group_fields(instance: Any, breaks: Sequence[str]) -> dict[str, Any]:
+    """The expert-group and EP fields every permutation document carries, in their order.
+
+    ``instance``: the :class:`placement.model.Instance`; ``breaks``: what
+    :func:`require_whole_groups` returned.
+    """
+    m = instance.model
+    return {
+        "num_experts": m.num_experts,
+        "num_groups": m.num_groups,
+        "groups_per_token": m.groups_per_token,
+        "group_limited": m.group_limited,
+        "group_preserving": not breaks,
+        "ep": instance.parallel.ep,
+    }
+
+
 def parse_expert_permutation(doc: Mapping[str, Any] | str) -> tuple[dict[int, np.ndarray], dict]:
     """``({layer index: (E,) phy2log}, document)`` from a permutation document (dict or JSON text).
 
