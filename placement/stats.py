@@ -220,10 +220,15 @@ def load_max_mean(topk: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def _coselections(tokens: np.ndarray, num_experts: int) -> np.ndarray:
-    """(E, E) counts of tokens that chose both experts (zero diagonal); ``tokens`` (N, k)."""
-    onehot = np.zeros((tokens.shape[0], num_experts), dtype=np.float64)
-    np.put_along_axis(onehot, tokens.astype(np.int64), 1.0, axis=1)
-    co = onehot.T @ onehot
+    """(E, E) counts of tokens that chose both experts (zero diagonal); ``tokens`` (N, k).
+
+    A token that lists an expert twice counts it once (the repeat goes to a discarded id ``E``).
+    """
+    E = num_experts
+    ids = np.sort(tokens.astype(np.int64), axis=1)
+    ids[:, 1:][ids[:, 1:] == ids[:, :-1]] = E
+    pair = ids[:, :, None] * (E + 1) + ids[:, None, :]
+    co = np.bincount(pair.reshape(-1), minlength=(E + 1) * (E + 1)).reshape(E + 1, E + 1)[:E, :E].astype(np.float64)
     np.fill_diagonal(co, 0.0)
     return co
 
