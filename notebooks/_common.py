@@ -1,7 +1,9 @@
 """Small helpers the notebooks share: which solver to use, DeepSeek-V3-like instance variants, figures.
 
-Everything here goes through the library's public API (``placement.instances.build`` of a
-``dataclasses.replace``-d spec, ``placement.solve``, ``placement.cost.evaluate``); nothing computes
+Everything here uses public names only: the package's API (``placement.solve``,
+``placement.solver_names``, ``placement.DEFAULT_SOLVER``), the data model (``placement.model``) and
+the instance builder ``placement.instances`` (``SPECS`` and ``build``, in its ``__all__``: a
+``dataclasses.replace``-d spec built in memory); no solver module is imported, and nothing computes
 a cost of its own.
 """
 
@@ -14,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 import placement
-import solvers
 from placement.instances import SPECS, build
 from placement.model import Cluster, Instance, Placement
 
@@ -34,7 +35,7 @@ __all__ = [
 
 def pick_solver() -> str:
     """``"cpsat"`` when it is registered, otherwise the best solver that is (the default layout)."""
-    return "cpsat" if "cpsat" in solvers.SOLVERS else placement.DEFAULT_SOLVER
+    return "cpsat" if "cpsat" in placement.solver_names() else placement.DEFAULT_SOLVER
 
 
 SOLVER = pick_solver()

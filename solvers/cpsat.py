@@ -140,7 +140,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         "num_workers": int(options.num_workers),
         "seed": int(options.seed),
         "time_limit_s": float(options.time_limit_s),
-        "expert_time_limit_s": float(expert_options.resolved_work_budget_s()),  # the expert placer's work budget
+        "expert_work_budget_s": float(expert_options.resolved_work_budget_s()),  # the expert placer's work budget
         "class_load_tolerance": plan.details["class_load_tolerance"],
         "gpu_load_tolerance": GPU_LOAD_TOLERANCE,
         "validation_fraction": VALIDATION_FRACTION,

@@ -334,3 +334,33 @@ def test_unsolved_layer_keeps_the_layouts_map(tiny):
     broken[[0, 4]] = broken[[4, 0]]  # mixes two groups in one group position: not allowed
     assert worker.fallback(0, "deadline reached", broken).details["chosen"] == "default"
     assert worker.fallback(0, "deadline reached", None).details["chosen"] == "default"
+
+
+def _pool_initializer_raises(*args):
+    """A pool initializer that fails the way a worker that cannot import its modules does."""
+    raise ImportError("test: this worker cannot import its modules")
+
+
+def _pool_initializer_exits(*args):
+    """A pool initializer whose process dies at once, with no exception to report."""
+    import os
+
+    os._exit(3)
+
+
+@pytest.mark.parametrize("initializer", [_pool_initializer_raises, _pool_initializer_exits])
+def test_a_pool_whose_workers_cannot_start_ends_by_the_deadline(initializer, caplog):
+    from placement.formats import read_instance
+    from tests.conftest import INSTANCES
+
+    inst = read_instance(INSTANCES / "dsv3_256.json").for_solver()
+    r2g = default_rank2gpu(inst)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="solvers.experts.pool"):
+        # a work budget far beyond the deadline: only the deadline can end the in-process fallback
+        plan = place_experts(inst, r2g, SolveOptions(time_limit_s=8, seed=1, num_workers=2), deadline=t0 + 8,
+                             deterministic_time=1000.0, use_pool=True, pool_initializer=initializer)
+    elapsed = time.monotonic() - t0
+    assert "process pool broke" in caplog.text
+    assert elapsed < 8 + 30, f"returned {elapsed - 8:.0f} s after the deadline"
+    assert check(inst, Placement(r2g, plan.phy2log)) == []

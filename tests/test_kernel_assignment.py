@@ -60,3 +60,17 @@ def test_bad_counts_and_empty_input():
 
 def test_doctests():
     assert doctest.testmod(solvers.kernels.assignment).failed == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 6), C=st.integers(1, 4))
+def test_the_rank_layouts_use_integer_affinities_with_empty_parts(seed, n, C):
+    """How ``solvers.layout.experts_on_parts`` calls it: negated integer (token, expert) pair counts,
+    some parts receiving nothing, ``method="slots"``; optimal against brute force."""
+    rng = np.random.default_rng(seed)
+    affinity = rng.integers(0, 4, size=(n, C)).astype(np.float64)
+    counts = np.bincount(rng.integers(0, max(1, C - 1), size=n), minlength=C)
+    item2class, total = assign_to_counts(-affinity, counts, method="slots")
+    assert np.array_equal(np.bincount(item2class, minlength=C), counts)
+    assert total == -affinity[np.arange(n), item2class].sum()
+    assert total == _brute_force(-affinity, counts)

@@ -161,22 +161,31 @@ def _spawn_can_start() -> bool:
     return os.path.isfile(path)
 
 
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL the pool's own worker processes, by object (they ignore SIGINT and SIGTERM)."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.kill()
+
+
 def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: LayerWorker,
               finished: Callable[[LayerOutcome], None], outcomes: dict[int, LayerOutcome],
-              options: SolveOptions) -> None:
+              options: SolveOptions, initializer: Callable[..., None] | None = None) -> None:
     """Run layer tasks in a pool of ``workers`` spawned processes until done, the deadline or a stop.
 
     The parent polls :meth:`SolveOptions.should_stop` while it waits.  At the deadline or a stop our
     own workers (which ignore SIGINT/SIGTERM) are killed and the unsolved layers keep their fallback
-    map; if the pool breaks, the remaining layers are solved in this process.
+    map; if the pool breaks (a worker died or its ``initializer`` failed), the workers are killed and
+    the remaining layers are solved in this process, each up to the deadline.
     """
     init_args = (worker.instance, worker.rank2gpu, worker.group_preserving, worker.validation_fraction)
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                               initializer=_init_pool_worker, initargs=init_args)
-    futures = {pool.submit(_pool_task, task): task.layer for task in tasks}
-    pending = set(futures)
+                               initializer=initializer or _init_pool_worker, initargs=init_args)
+    futures: dict = {}
     reason = None
     try:
+        for task in tasks:  # submit itself raises BrokenProcessPool once a worker has died
+            futures[pool.submit(_pool_task, task)] = task.layer
+        pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
             for fut in sorted(done, key=lambda f: futures[f]):
@@ -186,9 +195,12 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
                 break
     except BrokenProcessPool as exc:
         # A worker died (killed from outside, out of memory, an unguarded __main__ under "spawn").
+        # The executor's own clean-up only sends SIGTERM, which our workers ignore, and then joins
+        # them: a surviving worker would keep it (and the interpreter's exit) waiting.  Kill them.
         log.warning("expert placement: the process pool broke (%s); solving the rest in-process", exc)
+        _kill_workers(pool)
         pool.shutdown(wait=False, cancel_futures=True)
-        for task in tasks:
+        for task in tasks:  # each checks the deadline first: past it, the layer keeps its fallback map
             if task.layer not in outcomes:
                 finished(worker.solve(task))
         return
@@ -197,8 +209,7 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
         return
     log.warning("expert placement: %s with %d layers unsolved; they keep the layout's map (else the default)",
                 reason, sum(1 for t in tasks if t.layer not in outcomes))
-    for proc in list(getattr(pool, "_processes", {}).values()):  # our own workers, by object
-        proc.kill()
+    _kill_workers(pool)
     pool.shutdown(wait=False, cancel_futures=True)
     for task in tasks:
         if task.layer not in outcomes:
@@ -243,7 +254,7 @@ def _budgets(instance: Instance, layout: LayoutIndex, options: SolveOptions, tod
 
 def _solve_all(tasks: list[LayerTask], weight_of: dict[int, float], worker: LayerWorker, deadline: float,
                options: SolveOptions, use_pool: bool, finished: Callable[[LayerOutcome], None],
-               outcomes: dict[int, LayerOutcome]) -> None:
+               outcomes: dict[int, LayerOutcome], pool_initializer: Callable[..., None] | None = None) -> None:
     """Trivial layers here; the others heaviest first, in a pool when it pays, else here."""
     for t in tasks:
         if weight_of[t.layer] == 0:
@@ -258,7 +269,7 @@ def _solve_all(tasks: list[LayerTask], weight_of: dict[int, float], worker: Laye
         for t in hard:
             finished(worker.solve(t))
     else:
-        _run_pool(hard, workers, deadline, worker, finished, outcomes, options)
+        _run_pool(hard, workers, deadline, worker, finished, outcomes, options, pool_initializer)
 
 
 def _checked_plan(instance: Instance, rank2gpu: np.ndarray, layout: LayoutIndex, todo: list[int],
@@ -315,6 +326,7 @@ def place_experts(
     deterministic_time: float | None = None,
     hint_phy2log: np.ndarray | None = None,
     use_pool: bool | None = None,
+    pool_initializer: Callable[..., None] | None = None,
 ) -> ExpertPlan:
     """Optimise every MoE layer's expert map for a FIXED rank layout ``rank2gpu``.
 
@@ -336,6 +348,9 @@ def place_experts(
     use_pool : solve layers in a process pool (``None``: when the instance has at least
         ``POOL_MIN_PAIRS`` sampled (token, expert) pairs on straddling layers and more than one
         worker; starting processes costs seconds).  The maps do not depend on it.
+    pool_initializer : the pool's worker initializer, called in each child with ``(instance,
+        rank2gpu, group_preserving, validation_fraction)`` (default: the one that builds the child's
+        :class:`LayerWorker`); a parameter so that tests can make the workers fail to start.
     """
     t0 = time.monotonic()
     model = instance.model
@@ -364,7 +379,7 @@ def place_experts(
     tasks = [LayerTask(li, budgets[li], model.num_groups, class_tolerance,
                        None if hint_phy2log is None else hint_phy2log[li]) for li in todo]
     _solve_all(tasks, weight_of, worker, deadline, options,
-               pairs_total >= POOL_MIN_PAIRS if use_pool is None else use_pool, finished, outcomes)
+               pairs_total >= POOL_MIN_PAIRS if use_pool is None else use_pool, finished, outcomes, pool_initializer)
     phy2log, objective_bytes, bpc = _checked_plan(instance, rank2gpu, worker.layout, todo, outcomes)
     bound_bytes = None
     if layers is None or len(todo) == L:

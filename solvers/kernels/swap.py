@@ -12,11 +12,16 @@ exactly 0 (``per_pair`` needs no correction: ``R`` is None).  After a swap only 
 ``e`` or ``f`` change; ``M`` and ``R`` are updated from them alone.
 
 Constraints: only items with equal ``swap_label`` swap (None: any two), and with ``load`` (G, E) and
-a cap (G, C) no class may exceed its cap in any row.  Deterministic: ties go to the lowest class
-pair, then the lowest item pair (row-major).
+a cap (G, C) no class may exceed its cap in any row.  Deterministic: ties of the exact delta go,
+with ``tie_break="class_pair"`` (the default), to the lowest class pair, then the lowest item pair
+(row-major); with ``tie_break="lower_bound"``, to the lowest two-move sum ``M[e, b] + M[f, a]``
+(the swap's lower bound under ``per_domain``), then the lowest item pair ``(e, f)`` with ``e`` in
+the lower class (the order of a branch and bound over that bound, which the rank layout used).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 
@@ -39,11 +44,17 @@ class NetSwapSearch:
     cost_mode : ``per_domain`` or ``per_pair``.
     load : (G, E) item loads for the caps of :meth:`run_swaps` (None: no caps possible).
     swap_label : (E,) only items with equal labels swap (None: any two).
+    tie_break : ``class_pair`` or ``lower_bound``, the order among swaps of equal exact delta
+        (module docstring).
     """
 
     def __init__(self, experts: np.ndarray, net_class_domain: np.ndarray, src: np.ndarray, weight: np.ndarray, *,
                  num_items: int, num_domains: int, cost_mode: str, load: np.ndarray | None = None,
-                 swap_label: np.ndarray | None = None):
+                 swap_label: np.ndarray | None = None,
+                 tie_break: Literal["class_pair", "lower_bound"] = "class_pair"):
+        if tie_break not in ("class_pair", "lower_bound"):
+            raise ValueError(f"tie_break must be 'class_pair' or 'lower_bound', got {tie_break!r}")
+        self.tie_break = tie_break
         self.experts = experts
         self.src = src
         self.net_class_domain = net_class_domain
@@ -153,6 +164,8 @@ class NetSwapSearch:
     # ---- the search --------------------------------------------------------------------------
     def best_swap(self, e2c: np.ndarray, loads: np.ndarray | None, cap: np.ndarray | None) -> tuple[int, int] | None:
         """The most improving allowed swap ``(e, f)`` (delta <= -1), or None."""
+        if self.tie_break == "lower_bound":
+            return self._best_swap_lower_bound(e2c, loads, cap)
         M, R = self.M, self.R
         members = [np.flatnonzero(e2c == c) for c in range(self.C)]
         best_val, best = -0.5, None  # integer deltas: accept <= -1
@@ -172,6 +185,33 @@ class NetSwapSearch:
                     best_val = v
                     best = (int(Ea[i // Eb.size]), int(Eb[i % Eb.size]))
         return best
+
+    def _best_swap_lower_bound(self, e2c: np.ndarray, loads: np.ndarray | None,
+                               cap: np.ndarray | None) -> tuple[int, int] | None:
+        """:meth:`best_swap` with ties ordered by ``(lower bound, e, f)`` (``tie_break="lower_bound"``)."""
+        M, R = self.M, self.R
+        members = [np.flatnonzero(e2c == c) for c in range(self.C)]
+        best_key: tuple[float, float, int, int] | None = None
+        for a in range(self.C):
+            for b in range(a + 1, self.C):
+                Ea, Eb = members[a], members[b]
+                if Ea.size == 0 or Eb.size == 0:
+                    continue
+                bound = M[Ea, b][:, None] + M[Eb, a][None, :]
+                delta = bound
+                if R is not None:
+                    delta = bound - R[b][np.ix_(Ea, Eb)] - R[a][np.ix_(Eb, Ea)].T
+                ok = self._allowed(Ea, Eb, a, b, loads, cap) & (delta < -0.5)  # integer deltas
+                if not ok.any():
+                    continue
+                dmin = delta[ok].min()
+                ok &= delta == dmin
+                bmin = bound[ok].min()
+                i = int(np.flatnonzero(ok & (bound == bmin))[0])  # row-major: lowest (e, f)
+                key = (float(dmin), float(bmin), int(Ea[i // Eb.size]), int(Eb[i % Eb.size]))
+                if best_key is None or key < best_key:
+                    best_key = key
+        return None if best_key is None else (best_key[2], best_key[3])
 
     def _allowed(self, Ea: np.ndarray, Eb: np.ndarray, a: int, b: int, loads: np.ndarray | None,
                  cap: np.ndarray | None) -> np.ndarray:

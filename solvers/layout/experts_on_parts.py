@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
-
-from solvers.layout.local_kernels import swap_search, transport
+from solvers.kernels import NetSwapSearch, assign_to_counts
 from solvers.layout.tokens import Tokens, crossings, part_counts
 
 __all__ = ["PartPlacement", "place_on_parts", "MAX_SWAPS"]
@@ -40,6 +38,18 @@ class PartPlacement:
     crossings: int
     nic_copies: np.ndarray
     arrivals: np.ndarray
+
+
+def _swaps(tok: Tokens, e2p: np.ndarray, src_part: np.ndarray, num_parts: int, mode: str,
+           labels: np.ndarray | None, max_swaps: int) -> np.ndarray:
+    """(E,) part of each expert after best-improvement swaps (the shared kernel, one net per token,
+    each part its own domain; ``labels``: only experts with equal labels swap, None: any two)."""
+    search = NetSwapSearch(tok.topk, np.tile(np.arange(num_parts)[:, None], (1, tok.n)), src_part,
+                           np.ones(tok.n, dtype=np.int64), num_items=tok.num_experts, num_domains=num_parts,
+                           cost_mode=mode, swap_label=labels, tie_break="lower_bound")
+    e2p = e2p.copy()
+    search.run_swaps(e2p, None, None, max_swaps)
+    return e2p
 
 
 def _pair_use(tok: Tokens, src_part: np.ndarray, num_parts: int) -> np.ndarray:
@@ -75,11 +85,9 @@ class _GroupPlacement:
         for g in range(G):
             u = use[g * group_size : (g + 1) * group_size]
             for t, cap in enumerate(self.types):
-                self.own[g, t] = transport(u, cap)
+                self.own[g, t] = assign_to_counts(-u, cap, method="slots")[0]
                 own_val[g, t] = u[np.arange(group_size), self.own[g, t]].sum()
-        rows, cols = linear_sum_assignment(-own_val[:, self.position_type])
-        self.g2pos = np.empty(G, dtype=np.int64)
-        self.g2pos[rows] = cols
+        self.g2pos = assign_to_counts(-own_val[:, self.position_type], np.ones(G, dtype=np.int64), method="slots")[0]
         self.labels = np.repeat(np.arange(G), group_size)
 
     def build(self) -> np.ndarray:
@@ -97,7 +105,7 @@ class _GroupPlacement:
         ``A_g @ onehot(parts of its experts)``, so an exchange is scored exactly from four such
         matrices."""
         tok, P, G, gs = self.tok, self.P, self.G, self.gs
-        e2p = swap_search(tok, e2p, self.src_part, P, "per_domain", self.labels, max_swaps)
+        e2p = _swaps(tok, e2p, self.src_part, P, "per_domain", self.labels, max_swaps)
         notsrc = np.ones((tok.n, P), dtype=bool)
         notsrc[np.arange(tok.n), self.src_part] = False
         At_g = [tok.At[g * gs : (g + 1) * gs].T.tocsr() for g in range(G)]
@@ -112,7 +120,7 @@ class _GroupPlacement:
             self.g2pos[g1], self.g2pos[g2] = self.g2pos[g2], self.g2pos[g1]
             for g in (g1, g2):
                 e2p[g * gs : (g + 1) * gs] = self.own[g, self.position_type[self.g2pos[g]]]
-            e2p = swap_search(tok, e2p, self.src_part, P, "per_domain", self.labels, max_swaps)
+            e2p = _swaps(tok, e2p, self.src_part, P, "per_domain", self.labels, max_swaps)
         return e2p
 
     def _best_exchange(self, cnt: np.ndarray, cur_c: list, own_c: dict, notsrc: np.ndarray) -> tuple[int, int] | None:
@@ -165,9 +173,9 @@ def place_on_parts(
     use = _pair_use(tok, src_part, P)
     g2pos = None
     if group_size is None or group_size >= E:
-        e2p = transport(use, np.bincount(slot2part, minlength=P))
+        e2p = assign_to_counts(-use, np.bincount(slot2part, minlength=P), method="slots")[0]
         if mode == "per_domain":
-            e2p = swap_search(tok, e2p, src_part, P, mode, np.zeros(E, dtype=np.int64), max_swaps)
+            e2p = _swaps(tok, e2p, src_part, P, mode, None, max_swaps)
     else:
         groups = _GroupPlacement(tok, src_part, P, slot2part, group_size, use)
         e2p = groups.build()
