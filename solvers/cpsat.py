@@ -48,7 +48,7 @@ from solvers.experts import (
 from solvers.kernels import keeps_expert_groups
 from solvers.registry import register
 
-__all__ = ["choose_rank2gpu", "solve_cpsat", "equal_slices_breaks"]
+__all__ = ["choose_rank2gpu", "solve_cpsat", "equal_slices_breaks", "step_time_check"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,46 @@ def _check_consumer(instance: Instance, rank2gpu: np.ndarray, options: SolveOpti
             )
 
 
+def step_time_check(instance: Instance, options: SolveOptions, placement: Placement, layout_info: dict) -> dict:
+    """Under ``step_time``: the solved placement against the default placement (default layout,
+    contiguous experts) in predicted step time on the sampled window.
+
+    Returns ``{}`` for the byte objectives; else the two predictions (``predicted_step_time_s``,
+    ``default_predicted_step_time_s``, evaluator-based) and ``fallback_to_default``; when that is
+    True, ``default_placement`` holds the placement to return instead (the caller pops it).  An
+    instance without a ``performance`` block gives ``{"skipped": ...}``; so does a consumer rule the
+    default layout breaks.
+    """
+    if options.objective != "step_time":
+        return {}
+    from placement.cost import evaluate
+    from placement.performance import StepTimeModel
+
+    try:
+        model = StepTimeModel(instance)
+    except ValueError:
+        return {"skipped": "no performance block: step_time fell back to total"}
+    default_r2g = default_rank2gpu(instance)
+    if options.consumer in ("deepep", "hybridep") and equal_slices_breaks(instance, default_r2g):
+        return {"skipped": f"the default layout breaks the {options.consumer} rule"}
+    m = instance.model
+    identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
+    default_placement = Placement(default_r2g, identity)
+    check = layout_info.get("evaluator_check") or {}
+    default_s = check.get("default_predicted_step_time_s")  # the layout's own evaluation of it
+    if default_s is None:
+        default_s = model.step_time_s(evaluate(instance, default_placement), default_r2g)
+    solved_s = model.step_time_s(evaluate(instance, placement), placement.rank2gpu)
+    slower = bool(solved_s > default_s * (1 + 1e-9) + 1e-12)
+    out: dict = {"predicted_step_time_s": float(solved_s), "default_predicted_step_time_s": float(default_s),
+                 "fallback_to_default": slower}
+    if slower:
+        out["solved_predicted_step_time_s"] = float(solved_s)
+        out["predicted_step_time_s"] = float(default_s)
+        out["default_placement"] = default_placement
+    return out
+
+
 @register("cpsat")
 def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     """Rank layout from :func:`choose_rank2gpu`, expert maps from :func:`place_experts`."""
@@ -124,13 +164,23 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     rank2gpu, layout_info, layout_phy2log = choose_rank2gpu(instance, options, deadline=deadline)
     _check_consumer(instance, rank2gpu, options)
     gp = bool(options.group_preserving_for(instance))
-    if options.objective != "total":
+    if options.objective == "bottleneck":
         log.warning("cpsat: the expert maps minimise total cross-domain bytes; --objective %s only "
                     "steers the rank layout", options.objective)
     expert_options = _expert_options(options)
     plan = place_experts(instance, rank2gpu, expert_options, deadline=deadline, hint_phy2log=layout_phy2log)
     placement = Placement(rank2gpu, plan.phy2log)
     status: Literal["optimal", "feasible"] = "optimal" if plan.proved else "feasible"
+    objective_bytes, bound_bytes = plan.objective_bytes, plan.bound_bytes
+    step_check = step_time_check(instance, options, placement, layout_info)
+    if step_check.get("fallback_to_default"):
+        from placement.cost import evaluate
+
+        placement = step_check.pop("default_placement")
+        status, bound_bytes = "feasible", None
+        objective_bytes = float(evaluate(instance, placement).cross_domain_bytes_per_step)
+        log.warning("cpsat: the solved placement predicts a slower step than the default placement; "
+                    "returning the default (details['step_time_check'])")
     params = {
         "layout": options.layout,
         "layout_source": layout_info["source"],
@@ -153,15 +203,17 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         "expert_objective": "total",
         **plan.details,
     }
+    if step_check:
+        details["step_time_check"] = step_check
     log.info("cpsat: %s in %.1f s", status, time.monotonic() - t0)
     return SolveResult(
         placement=placement,
         solver="cpsat",
         status=status,
-        objective_bytes=plan.objective_bytes,
-        bound_bytes=plan.bound_bytes,
+        objective_bytes=objective_bytes,
+        bound_bytes=bound_bytes,
         params=params,
         details=details,
-        group_preserving=keeps_expert_groups(plan.phy2log, instance.model.experts_per_group),
+        group_preserving=keeps_expert_groups(placement.phy2log, instance.model.experts_per_group),
         consumer=options.consumer,
     )
