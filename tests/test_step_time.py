@@ -147,3 +147,25 @@ def test_without_performance_block_step_time_falls_back_to_total_and_says_so(tin
 
     check = step_time_check(inst, SolveOptions(), Placement(plan.rank2gpu, plan.phy2log), plan.details)
     assert "skipped" in check
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_balance_within_classes_keeps_bytes_and_groups(seed):
+    from solvers.kernels import keeps_expert_groups
+    from solvers.layout.plan import balance_within_classes
+
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, moe_layers=4, num_groups=4,
+                           groups_per_token=2, tokens=10)
+    r2g = rng.permutation(inst.cluster.num_gpus)[: inst.parallel.world_size].astype(np.int64)
+    gs = inst.model.experts_per_group
+    p2l = np.stack([np.concatenate([np.arange(g * gs, (g + 1) * gs)[rng.permutation(gs)]
+                                    for g in rng.permutation(inst.model.num_groups)])
+                    for _ in range(inst.model.num_moe_layers)])
+    for group_size in (None, gs):
+        out = balance_within_classes(inst, r2g, p2l, group_size=group_size)
+        assert all(sorted(row.tolist()) == list(range(inst.model.num_experts)) for row in out)
+        before, after = evaluate(inst, Placement(r2g, p2l)), evaluate(inst, Placement(r2g, out))
+        assert after.cross_domain_bytes_per_step == pytest.approx(before.cross_domain_bytes_per_step, rel=1e-12)
+        if group_size:
+            assert keeps_expert_groups(out, gs)

@@ -46,7 +46,7 @@ FINISH_SHARE = 0.2
 EVAL_S_PER_EXPERT_ID = 1e-7
 #: Under ``step_time``: evaluator runs kept in the budget for ranking the candidates by predicted
 #: step time (every candidate of both byte objectives, the peers and the default with contiguous experts).
-STEP_TIME_RANK_EVALS = 10
+STEP_TIME_RANK_EVALS = 6
 #: Under ``step_time``: share of the layout's work left after the peers that the ``total`` footprint
 #: search may spend; the ``bottleneck`` search gets the rest (what ``total`` left unspent included).
 STEP_TIME_TOTAL_SHARE = 0.5
@@ -75,6 +75,58 @@ class LayoutPlan:
     details: dict
     phy2log: np.ndarray | None = None
     wall_clock_cut: bool = False
+
+
+def balance_within_classes(instance: Instance, rank2gpu: np.ndarray, phy2log: np.ndarray, *,
+                           group_size: int | None = None) -> np.ndarray:
+    """The expert map with each layer's experts re-dealt inside every class, loads balanced.
+
+    A class here is a set of physical slots whose EP rank has the same NVLink domain in every EP
+    group of the stage (and, with ``group_size``, the same group position): moving experts among
+    them changes no token's domain, so the cross-domain bytes stay, and group positions keep their
+    expert groups.  Inside each class, heaviest expert first (load: its (token, expert) pairs in the
+    sampled window) goes to the EP rank with the least load that has a free slot; the layout's
+    estimate orders experts by id inside a domain, while the expert placer balances GPU load, so
+    this is the map a step-time ranking should see.
+
+    Parameters
+    ----------
+    rank2gpu : (world,) int64.
+    phy2log : (num_moe_layers, E) int64.
+    group_size : E/G when the map must keep expert groups on group positions, else None.
+
+    Returns
+    -------
+    (num_moe_layers, E) int64, a valid expert map.
+    """
+    m, par = instance.model, instance.parallel
+    E, epr = m.num_experts, instance.experts_per_rank
+    g2d = instance.cluster.gpu2domain
+    r2g = np.asarray(rank2gpu, dtype=np.int64)
+    out = np.asarray(phy2log, dtype=np.int64).copy()
+    stage_of = {int(layer): s for s, layers in enumerate(par.stage_layers) for layer in layers}
+    slot_rank = np.arange(E) // epr
+    for li, layer in enumerate(m.moe_layers):
+        groups = par.stage_ep_groups[stage_of[int(layer)]]  # (G, ep) global ranks
+        doms = g2d[r2g[groups]]  # (G, ep)
+        load = np.bincount(instance.routing.topk[li].ravel(), minlength=E).astype(np.float64)
+        keys: dict[tuple, list[int]] = {}
+        for slot in range(E):
+            key = tuple(doms[:, slot_rank[slot]].tolist()) + ((slot // group_size,) if group_size else ())
+            keys.setdefault(key, []).append(slot)
+        row = out[li]
+        new = row.copy()
+        for slots in keys.values():
+            experts = sorted((int(e) for e in row[slots]), key=lambda e: (-load[e], e))
+            ranks = sorted({int(slot_rank[x]) for x in slots})
+            free = {r: [x for x in slots if slot_rank[x] == r] for r in ranks}
+            rank_load = {r: 0.0 for r in ranks}
+            for e in experts:
+                r = min((r for r in ranks if free[r]), key=lambda r: (rank_load[r], r))
+                new[free[r].pop(0)] = e
+                rank_load[r] += load[e]
+        out[li] = new
+    return out
 
 
 class LayoutPlanner:
@@ -333,7 +385,12 @@ class LayoutPlanner:
         if self.default_ok:
             order.append(Candidate("default, contiguous experts", self.default_r2g, {"phy2log": identity}))
         seen: dict[tuple[bytes, bytes], dict] = {}
-        for c in order:
+        gs = self.instance.model.experts_per_group if self.gp else None
+        for i, c in enumerate(order):
+            if c.name != "default, contiguous experts":  # the map the expert placer would refine
+                est = dict(c.estimate, phy2log=balance_within_classes(instance, c.rank2gpu, c.estimate["phy2log"],
+                                                                      group_size=gs))
+                c = order[i] = Candidate(c.name, c.rank2gpu, est)
             key = (c.rank2gpu.tobytes(), np.asarray(c.estimate["phy2log"]).tobytes())
             if key not in seen:
                 budget.charge(self.eval_s)
@@ -344,11 +401,11 @@ class LayoutPlanner:
             pool.append((c, seen[key]))
         if not pool:
             raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
-        rank = {id(c): i for i, c in enumerate(cands)}
+        rank = {c.name: i for i, c in enumerate(cands)}
 
         def key_of(item: tuple[Candidate, dict]) -> tuple[float, float, int]:
             c, ev = item
-            return (ev["predicted_step_time_s"], ev["total_bytes"], -rank.get(id(c), -1))
+            return (ev["predicted_step_time_s"], ev["total_bytes"], -rank.get(c.name, -1))
 
         best, ev = min(pool, key=key_of)
         if best.name == "default, contiguous experts":
