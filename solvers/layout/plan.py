@@ -537,7 +537,8 @@ def plan_layout(
     ----------
     instance : the problem (solver view).
     options : ``consumer`` (``deepep``/``hybridep``: equal consecutive slices per domain),
-        ``objective`` (``total`` or ``bottleneck``), ``time_limit_s`` (the work budget, see
+        ``objective`` (``step_time``: both byte searches, candidates ranked by predicted step
+        time; ``total`` or ``bottleneck``), ``time_limit_s`` (the work budget, see
         ``work_s``), and ``group_preserving`` (whether the expert maps scored must keep expert
         groups whole); ``stop_event`` is polled.
     deadline : ``time.monotonic()`` instant by which to return (the safety net).
