@@ -185,7 +185,13 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         log.warning("cpsat: the expert maps minimise total cross-domain bytes; --objective %s only "
                     "steers the rank layout", options.objective)
     expert_options = _expert_options(options)
-    plan = place_experts(instance, rank2gpu, expert_options, deadline=deadline, hint_phy2log=layout_phy2log)
+    expert_deadline = deadline
+    if options.objective == "step_time":  # keep the wall time of the step-time check's evaluator runs
+        from solvers.layout.plan import EVAL_S_PER_EXPERT_ID
+
+        check_s = 3 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
+        expert_deadline = max(time.monotonic(), deadline - check_s)
+    plan = place_experts(instance, rank2gpu, expert_options, deadline=expert_deadline, hint_phy2log=layout_phy2log)
     placement = Placement(rank2gpu, plan.phy2log)
     status: Literal["optimal", "feasible"] = "optimal" if plan.proved else "feasible"
     objective_bytes, bound_bytes = plan.objective_bytes, plan.bound_bytes
