@@ -374,13 +374,14 @@ class LayoutPlanner:
         scored by the evaluator on its expert map, ranked by predicted step time, then the
         evaluator's bytes, then the later (more refined) candidate; the default with contiguous
         experts is one of them, so the pick never predicts a slower step than it.  When the clock
-        cut the work, only the best candidate by the estimate's slowest stage is evaluated."""
+        cut the work, only the best candidate by the estimate's slowest stage and the default layout
+        are evaluated."""
         instance, budget, identity, model = self.instance, self.budget, self.identity, self.step_model
         assert model is not None
         cands = self.cands
         order = sorted(cands, key=lambda c: rank_key(c.estimate, "bottleneck") + (-cands.index(c),))
-        if budget.cut:
-            order = order[:1]
+        if budget.cut:  # the best by the estimate, and the default layout (its map balanced)
+            order = order[:1] + [c for c in order[1:] if c.name == "default"]
         pool: list[tuple[Candidate, dict]] = []
         if self.default_ok:
             order.append(Candidate("default, contiguous experts", self.default_r2g, {"phy2log": identity}))
