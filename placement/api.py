@@ -241,7 +241,7 @@ def solve(
     num_workers: int | None = None,
     consumer: Consumer = "none",
     group_preserving: bool | None = None,
-    objective: Objective = "total",
+    objective: Objective = "step_time",
     layout: LayoutMode = "optimize",
     progress: Callable[[str], None] | None = None,
     started_at: float | None = None,
@@ -264,7 +264,9 @@ def solve(
     consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher.
     group_preserving : only group-preserving expert permutations; ``None``: when the model's
         routing is group-limited.
-    objective : ``total`` cross-domain bytes or the ``bottleneck`` (slowest stage's busiest NIC).
+    objective : ``step_time`` (default: predicted step time, bytes break ties; ``total`` on an
+        instance without a ``performance`` block), ``total`` cross-domain bytes or the
+        ``bottleneck`` (slowest stage's busiest NIC).
     layout : ``optimize`` the rank -> GPU map, or keep the default one (``fixed``).
     progress : called with one-line progress messages (never printed by the library).
     started_at : ``time.monotonic()`` instant the budget started (default: now).

@@ -385,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--consumer", default="none", choices=CONSUMERS, help="layout rule of the dispatcher")
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
                     help="only group-preserving expert permutations (auto: when routing is group-limited)")
-    so.add_argument("--objective", default="total", choices=OBJECTIVES,
-                    help="total: fewest cross-domain bytes with no stage slower than the default layout's "
+    so.add_argument("--objective", default="step_time", choices=OBJECTIVES,
+                    help="step_time (default): fastest predicted step (the performance model on the evaluator's "
+                         "metrics, bytes break ties; total when the instance has no performance block); total: fewest cross-domain bytes with no stage slower than the default layout's "
                          "slowest; bottleneck: the slowest stage's all-to-all time")
     so.add_argument("--layout", default="optimize", choices=LAYOUT_MODES,
                     help="optimize the rank -> GPU map, or keep the default one (fixed)")

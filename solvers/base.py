@@ -40,8 +40,8 @@ __all__ = [
 
 Consumer = Literal["none", "deepep", "hybridep"]
 CONSUMERS: tuple[Consumer, ...] = ("none", "deepep", "hybridep")
-Objective = Literal["total", "bottleneck"]
-OBJECTIVES: tuple[Objective, ...] = ("total", "bottleneck")
+Objective = Literal["step_time", "total", "bottleneck"]
+OBJECTIVES: tuple[Objective, ...] = ("step_time", "total", "bottleneck")
 LayoutMode = Literal["optimize", "fixed"]
 LAYOUT_MODES: tuple[LayoutMode, ...] = ("optimize", "fixed")
 
@@ -83,7 +83,11 @@ class SolveOptions:
         consecutive slices of each EP group per NVLink domain).
     group_preserving : only group-preserving expert permutations (required for checkpoint
         permutations under group-limited routing); ``None`` = the model's routing decides.
-    objective : ``total`` cross-domain bytes, subject (in the rank layout) to no pipeline stage's
+    objective : ``step_time`` (the default): the predicted step time of
+        :class:`placement.performance.StepTimeModel` on the evaluator's metrics, bytes as the
+        tie-break (the rank layout ranks the candidates of both byte objectives by it; an instance
+        without a ``performance`` block falls back to ``total``, and the details say so);
+        ``total`` cross-domain bytes, subject (in the rank layout) to no pipeline stage's
         all-to-all time exceeding the default layout's slowest stage; or the ``bottleneck``
         (slowest stage / busiest NIC), total bytes as a tie-breaker.
     layout : ``optimize`` the rank -> GPU map, or keep it ``fixed`` at the default layout (when the
@@ -100,7 +104,7 @@ class SolveOptions:
     num_workers: int = field(default_factory=default_workers)
     consumer: Consumer = "none"
     group_preserving: bool | None = None
-    objective: Objective = "total"
+    objective: Objective = "step_time"
     layout: LayoutMode = "optimize"
     deadline: float | None = None
     progress: Callable[[str], None] | None = None

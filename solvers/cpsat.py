@@ -48,7 +48,7 @@ from solvers.experts import (
 from solvers.kernels import keeps_expert_groups
 from solvers.registry import register
 
-__all__ = ["choose_rank2gpu", "solve_cpsat", "equal_slices_breaks"]
+__all__ = ["choose_rank2gpu", "solve_cpsat", "equal_slices_breaks", "step_time_check"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,63 @@ def _check_consumer(instance: Instance, rank2gpu: np.ndarray, options: SolveOpti
             )
 
 
+def step_time_check(instance: Instance, options: SolveOptions, placement: Placement, layout_info: dict, *,
+                    layout_phy2log: np.ndarray | None = None) -> dict:
+    """Under ``step_time``: the solved placement against the default placement (default layout,
+    contiguous experts) and, when given, the layout's own expert map on the same rank layout, in
+    predicted step time on the sampled window.
+
+    Returns ``{}`` for the byte objectives; else the predictions (``predicted_step_time_s`` of what
+    is returned, ``solved_predicted_step_time_s``, ``default_predicted_step_time_s``,
+    ``layout_map_predicted_step_time_s``; evaluator-based), ``fallback_to_default`` and
+    ``returned`` (``solved``, ``default placement`` or ``layout's expert map``); unless the solved
+    placement is returned, ``return_placement`` holds the placement to return instead (the caller
+    pops it).  An instance without a ``performance`` block gives ``{"skipped": ...}``; a consumer
+    rule the default layout breaks leaves the default out.
+    """
+    if options.objective != "step_time":
+        return {}
+    from placement.cost import evaluate
+    from placement.performance import StepTimeModel
+
+    try:
+        model = StepTimeModel(instance)
+    except ValueError:
+        return {"skipped": "no performance block: step_time fell back to total"}
+    def step_s(p: Placement) -> float:
+        return float(model.step_time_s(evaluate(instance, p), p.rank2gpu))
+
+    solved_s = step_s(placement)
+    out: dict = {"solved_predicted_step_time_s": solved_s}
+    options_: list[tuple[float, int, str, Placement]] = [(solved_s, 0, "solved", placement)]
+    default_r2g = default_rank2gpu(instance)
+    if options.consumer in ("deepep", "hybridep") and equal_slices_breaks(instance, default_r2g):
+        out["default_skipped"] = f"the default layout breaks the {options.consumer} rule"
+    else:
+        m = instance.model
+        identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
+        default_placement = Placement(default_r2g, identity)
+        check = layout_info.get("evaluator_check") or {}
+        default_s = check.get("default_predicted_step_time_s")  # the layout's own evaluation of it
+        if default_s is None:
+            default_s = step_s(default_placement)
+        out["default_predicted_step_time_s"] = float(default_s)
+        options_.append((float(default_s), 2, "default placement", default_placement))
+    if layout_phy2log is not None and not np.array_equal(layout_phy2log, placement.phy2log):
+        layout_placement = Placement(placement.rank2gpu, np.asarray(layout_phy2log, dtype=np.int64))
+        layout_s = step_s(layout_placement)
+        out["layout_map_predicted_step_time_s"] = layout_s
+        options_.append((layout_s, 1, "layout's expert map", layout_placement))
+    # strictly faster beats the solved maps (a relative tolerance keeps ties with the solved)
+    best = min(options_, key=lambda o: (o[0] * (1 + 1e-9) + 1e-12 if o[1] else o[0], o[1]))
+    out["predicted_step_time_s"] = best[0]
+    out["returned"] = best[2]
+    out["fallback_to_default"] = best[2] == "default placement"
+    if best[1]:
+        out["return_placement"] = best[3]
+    return out
+
+
 @register("cpsat")
 def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     """Rank layout from :func:`choose_rank2gpu`, expert maps from :func:`place_experts`."""
@@ -124,13 +181,29 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     rank2gpu, layout_info, layout_phy2log = choose_rank2gpu(instance, options, deadline=deadline)
     _check_consumer(instance, rank2gpu, options)
     gp = bool(options.group_preserving_for(instance))
-    if options.objective != "total":
+    if options.objective == "bottleneck":
         log.warning("cpsat: the expert maps minimise total cross-domain bytes; --objective %s only "
                     "steers the rank layout", options.objective)
     expert_options = _expert_options(options)
-    plan = place_experts(instance, rank2gpu, expert_options, deadline=deadline, hint_phy2log=layout_phy2log)
+    expert_deadline = deadline
+    if options.objective == "step_time":  # keep the wall time of the step-time check's evaluator runs
+        from solvers.layout.plan import EVAL_S_PER_EXPERT_ID
+
+        check_s = 3 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
+        expert_deadline = max(time.monotonic(), deadline - check_s)
+    plan = place_experts(instance, rank2gpu, expert_options, deadline=expert_deadline, hint_phy2log=layout_phy2log)
     placement = Placement(rank2gpu, plan.phy2log)
     status: Literal["optimal", "feasible"] = "optimal" if plan.proved else "feasible"
+    objective_bytes, bound_bytes = plan.objective_bytes, plan.bound_bytes
+    step_check = step_time_check(instance, options, placement, layout_info, layout_phy2log=layout_phy2log)
+    if "return_placement" in step_check:
+        from placement.cost import evaluate
+
+        placement = step_check.pop("return_placement")
+        status, bound_bytes = "feasible", None
+        objective_bytes = float(evaluate(instance, placement).cross_domain_bytes_per_step)
+        log.warning("cpsat: the solved expert maps predict a slower step than %s; returning it "
+                    "(details['step_time_check'])", step_check["returned"])
     params = {
         "layout": options.layout,
         "layout_source": layout_info["source"],
@@ -153,15 +226,17 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         "expert_objective": "total",
         **plan.details,
     }
+    if step_check:
+        details["step_time_check"] = step_check
     log.info("cpsat: %s in %.1f s", status, time.monotonic() - t0)
     return SolveResult(
         placement=placement,
         solver="cpsat",
         status=status,
-        objective_bytes=plan.objective_bytes,
-        bound_bytes=plan.bound_bytes,
+        objective_bytes=objective_bytes,
+        bound_bytes=bound_bytes,
         params=params,
         details=details,
-        group_preserving=keeps_expert_groups(plan.phy2log, instance.model.experts_per_group),
+        group_preserving=keeps_expert_groups(placement.phy2log, instance.model.experts_per_group),
         consumer=options.consumer,
     )

@@ -36,6 +36,7 @@ def _with_available(inst: Instance, available: np.ndarray) -> Instance:
 
 
 def _plan(inst: Instance, **kw) -> "object":
+    kw.setdefault("objective", "total")  # these tests are about the byte objectives (test_step_time.py: step_time)
     opts = SolveOptions(num_workers=1, **kw)
     return plan_layout(inst.for_solver(), opts, deadline=time.monotonic() + 60)
 
@@ -621,7 +622,7 @@ def test_never_worse_than_packed_or_default_at_any_budget(name, work_s):
 
     inst = placement.load_instance(INSTANCES / f"{name}.json").for_solver()
     gp = inst.model.group_limited
-    plan = plan_layout(inst, SolveOptions(num_workers=1), deadline=time.monotonic() + 120, work_s=work_s)
+    plan = plan_layout(inst, SolveOptions(num_workers=1, objective="total"), deadline=time.monotonic() + 120, work_s=work_s)
     assert plan.wall_clock_cut is False
     assert plan.details["work_budget_exhausted"] is (work_s == 0.0)
     cap = plan.details["stage_time_cap_s"]

@@ -50,6 +50,11 @@ the ``default`` solver gives it (contiguous experts), else the next candidate is
 default layout with contiguous experts always passes.  Each stage and layer gets one expert map
 (the costliest block's); the estimate scores every EP group of the stage with it, so its bytes
 are the evaluator's; its times are close but not exact (the NVLink floor of the contiguous map).
+Under ``step_time`` (the default objective, an instance with a ``performance`` block) the search
+runs for ``total`` and for ``bottleneck`` on a split budget and ALL candidates are ranked by the
+predicted step time (:class:`placement.performance.StepTimeModel` on the evaluator's metrics of the
+candidate with its map re-dealt inside classes), bytes breaking ties; the default layout with
+contiguous experts is among them (docs/layout.md, step 11).
 
 Determinism and the clock (:mod:`.budget`).  The layout's work is sized by a deterministic budget
 (``LAYOUT_WORK_SHARE * options.time_limit_s`` predicted seconds): every optional step is started

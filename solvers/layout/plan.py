@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import numpy as np
 
 from placement.cost import evaluate
 from placement.model import InfeasibleError, Instance, Placement, SolverError
-from solvers.base import SolveOptions
+from solvers.base import Objective, SolveOptions
 from solvers.layout.blocks import (Block, block_footprints, free_per_domain, layout_blocks, part_units,
                                    stage_footprints, split_atoms)
 from solvers.layout.budget import Stopped, WorkBudget
@@ -43,6 +44,12 @@ FINISH_SHARE = 0.2
 #: Predicted seconds of one run of :func:`placement.cost.evaluate` per routed expert id of the
 #: sampled window (the API's own scoring estimate, ``placement.api.SCORING_S_PER_EXPERT_ID``).
 EVAL_S_PER_EXPERT_ID = 1e-7
+#: Under ``step_time``: evaluator runs kept in the budget for ranking the candidates by predicted
+#: step time (every candidate of both byte objectives, the peers and the default with contiguous experts).
+STEP_TIME_RANK_EVALS = 6
+#: Under ``step_time``: share of the layout's work left after the peers that the ``total`` footprint
+#: search may spend; the ``bottleneck`` search gets the rest (what ``total`` left unspent included).
+STEP_TIME_TOTAL_SHARE = 0.5
 METHOD = ("footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain "
           "granularity); replicas <-> experts alternation on straddling blocks; default, packed and "
           "first-fit layouts as candidates")
@@ -70,6 +77,58 @@ class LayoutPlan:
     wall_clock_cut: bool = False
 
 
+def balance_within_classes(instance: Instance, rank2gpu: np.ndarray, phy2log: np.ndarray, *,
+                           group_size: int | None = None) -> np.ndarray:
+    """The expert map with each layer's experts re-dealt inside every class, loads balanced.
+
+    A class here is a set of physical slots whose EP rank has the same NVLink domain in every EP
+    group of the stage (and, with ``group_size``, the same group position): moving experts among
+    them changes no token's domain, so the cross-domain bytes stay, and group positions keep their
+    expert groups.  Inside each class, heaviest expert first (load: its (token, expert) pairs in the
+    sampled window) goes to the EP rank with the least load that has a free slot; the layout's
+    estimate orders experts by id inside a domain, while the expert placer balances GPU load, so
+    this is the map a step-time ranking should see.
+
+    Parameters
+    ----------
+    rank2gpu : (world,) int64.
+    phy2log : (num_moe_layers, E) int64.
+    group_size : E/G when the map must keep expert groups on group positions, else None.
+
+    Returns
+    -------
+    (num_moe_layers, E) int64, a valid expert map.
+    """
+    m, par = instance.model, instance.parallel
+    E, epr = m.num_experts, instance.experts_per_rank
+    g2d = instance.cluster.gpu2domain
+    r2g = np.asarray(rank2gpu, dtype=np.int64)
+    out = np.asarray(phy2log, dtype=np.int64).copy()
+    stage_of = {int(layer): s for s, layers in enumerate(par.stage_layers) for layer in layers}
+    slot_rank = np.arange(E) // epr
+    for li, layer in enumerate(m.moe_layers):
+        groups = par.stage_ep_groups[stage_of[int(layer)]]  # (G, ep) global ranks
+        doms = g2d[r2g[groups]]  # (G, ep)
+        load = np.bincount(instance.routing.topk[li].ravel(), minlength=E).astype(np.float64)
+        keys: dict[tuple, list[int]] = {}
+        for slot in range(E):
+            key = tuple(doms[:, slot_rank[slot]].tolist()) + ((slot // group_size,) if group_size else ())
+            keys.setdefault(key, []).append(slot)
+        row = out[li]
+        new = row.copy()
+        for slots in keys.values():
+            experts = sorted((int(e) for e in row[slots]), key=lambda e: (-load[e], e))
+            ranks = sorted({int(slot_rank[x]) for x in slots})
+            free = {r: [x for x in slots if slot_rank[x] == r] for r in ranks}
+            rank_load = {r: 0.0 for r in ranks}
+            for e in experts:
+                r = min((r for r in ranks if free[r]), key=lambda r: (rank_load[r], r))
+                new[free[r].pop(0)] = e
+                rank_load[r] += load[e]
+        out[li] = new
+    return out
+
+
 class LayoutPlanner:
     """One run of the rank layout (see :func:`plan_layout` for the parameters).
 
@@ -82,7 +141,25 @@ class LayoutPlanner:
         self.instance, self.options = instance, options
         m = instance.model
         self.default_r2g = default_rank2gpu(instance)  # raises InfeasibleError on too few GPUs
-        self.consumer, self.objective = options.consumer, options.objective
+        self.consumer = options.consumer
+        # ``rank_objective`` orders the candidates in :meth:`choose`; ``objective`` is the byte
+        # objective of the footprint search running now (under ``step_time`` both passes run).
+        self.rank_objective: str = options.objective
+        self.step_model = None
+        self.step_fallback: str | None = None
+        if self.rank_objective == "step_time":
+            from placement.performance import StepTimeModel
+
+            try:
+                self.step_model = StepTimeModel(instance)
+            except ValueError:
+                self.rank_objective = "total"
+                self.step_fallback = ("the instance has no performance block, so no step time can be predicted: "
+                                      "step_time falls back to total")
+        self.objective: Objective = "total" if options.objective == "step_time" else options.objective
+        if self.step_fallback is not None:
+            self.objective = "total"
+        self.pass_prefix = ""
         self.equal_only = self.consumer in ("deepep", "hybridep")
         self.gp = options.group_preserving_for(instance)
         self.blocks = layout_blocks(instance)
@@ -91,18 +168,21 @@ class LayoutPlanner:
         self.identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
         self.eval_s = EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
         work = LAYOUT_WORK_SHARE * options.time_limit_s if work_s is None else work_s
-        # the evaluator's check (the default's and the pick's) runs after the steps: keep its time
-        self.budget = WorkBudget(work, deadline, options, finish_s=2.0 * self.eval_s)
+        # the evaluator's check (the default's and the pick's; under step_time every candidate's)
+        # runs after the steps: keep its time
+        self.finish_evals = STEP_TIME_RANK_EVALS if self.step_model is not None else 2
+        self.budget = WorkBudget(work, deadline, options, finish_s=self.finish_evals * self.eval_s)
         self.budget.add_scorers([self.scorer])
         self.cands: list[Candidate] = []
         self.exact: ExactScores = {}
+        self.offers: list[tuple[Sequence[dict[int, int]], Sequence[np.ndarray], dict]] = []
         self.cap_s: float | None = None
         self.est_default: dict | None = None
         self.infeasible_units = 0
         self.default_ok = self.rule_ok(self.default_r2g)
         self.details: dict = {
             "method": METHOD,
-            "objective": self.objective,
+            "objective": options.objective,
             "consumer": self.consumer,
             "group_preserving": bool(self.gp),
             "blocks": len(self.blocks),
@@ -126,10 +206,15 @@ class LayoutPlanner:
         self.cands.append(Candidate(name, np.asarray(r2g, dtype=np.int64), est))
         if name == "default" and self.objective == "total":
             self.cap_s = est["slowest_stage_s"]
+        self.offers.append((feet, a2ps, est))
+        self.offer(feet, a2ps, est)
+        return est
+
+    def offer(self, feet: Sequence[dict[int, int]], a2ps: Sequence[np.ndarray], est: dict) -> None:
+        """Keep a scored layout's straddling blocks as exact entries (by the current pass's objective)."""
         for b, (foot, a2p) in enumerate(zip(feet, a2ps)):
             if len(foot) > 1:
                 offer_exact(self.exact, (b, shape_of(foot)), est["block_scores"][b], a2p, self.cap_s, self.objective)
-        return est
 
     def score_peers(self) -> list[Footprints]:
         """The peers' layouts, scored first (whatever the budget): candidates, hints, and (default)
@@ -182,7 +267,7 @@ class LayoutPlanner:
 
     def search_footprints(self, hints: list[Footprints]) -> list[Footprints] | None:
         """The footprint search at the coarsest part unit that has a solution."""
-        finish_s = 2.0 * self.eval_s
+        finish_s = self.finish_evals * self.eval_s
         reserve_s = finish_s + FINISH_SHARE * self.budget.work_s
         for unit in part_units(self.instance, self.blocks):
             shapes = self.unit_shapes(unit)
@@ -197,7 +282,8 @@ class LayoutPlanner:
             if any(not s for s in shapes):
                 self.infeasible_units += 1
                 continue
-            search = FootprintSearch(self.blocks, shapes, self.free, self.scorer, self.options, unit_hints,
+            search_options = dataclasses.replace(self.options, objective=self.objective)
+            search = FootprintSearch(self.blocks, shapes, self.free, self.scorer, search_options, unit_hints,
                                      self.budget, exact=self.exact, cap_s=self.cap_s, reserve_s=reserve_s,
                                      finish_s=finish_s)
             found, status = search.run()
@@ -214,7 +300,7 @@ class LayoutPlanner:
     def score_picks(self, plan: list[Footprints]) -> tuple[Footprints, list[np.ndarray]]:
         """Score the search's footprints as candidates; the better one's (footprints, atom parts)."""
         picks = []
-        for name, feet in zip(("optimized", "optimized, best scored pick"), plan):
+        for name, feet in zip((self.pass_prefix + "optimized", self.pass_prefix + "optimized, best scored pick"), plan):
             a2ps = []
             for b, (blk, foot) in enumerate(zip(self.blocks, feet)):
                 sh = shape_of(foot)
@@ -249,7 +335,7 @@ class LayoutPlanner:
             except Stopped:
                 pass
             if any(not np.array_equal(x, y) for x, y in zip(moved, a2ps)):
-                self.add("optimized, replicas moved", assign_gpus(self.instance, blocks, feet, moved)[0], feet, moved)
+                self.add(self.pass_prefix + "optimized, replicas moved", assign_gpus(self.instance, blocks, feet, moved)[0], feet, moved)
         self.details["source_placement"] = src_info
 
     # ---- the choice ----------------------------------------------------------------------
@@ -283,10 +369,69 @@ class LayoutPlanner:
         self.details["evaluator_check"] = {"default_alltoall_time_s_per_step": default_s, "checked": checked}
         return chosen
 
+    def choose_step_time(self) -> Candidate:
+        """Under ``step_time``: every candidate (and the default layout with contiguous experts)
+        scored by the evaluator on its expert map, ranked by predicted step time, then the
+        evaluator's bytes, then the later (more refined) candidate; the default with contiguous
+        experts is one of them, so the pick never predicts a slower step than it.  When the clock
+        cut the work, only the best candidate by the estimate's slowest stage and the default layout
+        are evaluated."""
+        instance, budget, identity, model = self.instance, self.budget, self.identity, self.step_model
+        assert model is not None
+        cands = self.cands
+        order = sorted(cands, key=lambda c: rank_key(c.estimate, "bottleneck") + (-cands.index(c),))
+        if budget.cut:  # the best by the estimate, and the default layout (its map balanced)
+            order = order[:1] + [c for c in order[1:] if c.name == "default"]
+        pool: list[tuple[Candidate, dict]] = []
+        if self.default_ok:
+            order.append(Candidate("default, contiguous experts", self.default_r2g, {"phy2log": identity}))
+        seen: dict[tuple[bytes, bytes], dict] = {}
+        gs = self.instance.model.experts_per_group if self.gp else None
+        for i, c in enumerate(order):
+            if c.name != "default, contiguous experts":  # the map the expert placer would refine
+                est = dict(c.estimate, phy2log=balance_within_classes(instance, c.rank2gpu, c.estimate["phy2log"],
+                                                                      group_size=gs))
+                c = order[i] = Candidate(c.name, c.rank2gpu, est)
+            key = (c.rank2gpu.tobytes(), np.asarray(c.estimate["phy2log"]).tobytes())
+            if key not in seen:
+                budget.charge(self.eval_s)
+                metrics = evaluate(instance, Placement(c.rank2gpu, c.estimate["phy2log"]))
+                seen[key] = {"predicted_step_time_s": model.step_time_s(metrics, c.rank2gpu),
+                             "total_bytes": float(metrics.cross_domain_bytes_per_step),
+                             "metrics": metrics}
+            pool.append((c, seen[key]))
+        if not pool:
+            raise SolverError("rank layout: no footprint found for the free GPUs within the time limit")
+        rank = {c.name: i for i, c in enumerate(cands)}
+
+        def key_of(item: tuple[Candidate, dict]) -> tuple[float, float, int]:
+            c, ev = item
+            return (ev["predicted_step_time_s"], ev["total_bytes"], -rank.get(c.name, -1))
+
+        best, ev = min(pool, key=key_of)
+        if best.name == "default, contiguous experts":
+            best = Candidate(best.name, best.rank2gpu, estimate_from_metrics(ev["metrics"], identity))
+        cand_info = {c.name: {"estimated_total_bytes": c.estimate["total_bytes"],
+                              "estimated_slowest_stage_s": c.estimate["slowest_stage_s"]} for c in cands}
+        for c, e in pool:
+            cand_info.setdefault(c.name, {}).update({"predicted_step_time_s": e["predicted_step_time_s"],
+                                                     "total_bytes": e["total_bytes"]})
+        self.details["candidates"] = cand_info
+        self.details["stage_time_cap_s"] = None
+        default_s = next((e["predicted_step_time_s"] for c, e in pool if c.name == "default, contiguous experts"), None)
+        self.details["evaluator_check"] = {
+            "default_predicted_step_time_s": default_s,
+            "chosen_predicted_step_time_s": ev["predicted_step_time_s"],
+            "candidates_evaluated": len(seen),
+        }
+        return best
+
     def choose(self) -> Candidate:
         """Among the candidates within the cap, the best on the objective (on a tie the later, more
         refined one), then the evaluator's check."""
         cands = self.cands
+        if self.step_model is not None and (cands or self.default_ok):
+            return self.choose_step_time()
         self.details["candidates"] = {c.name: {"estimated_total_bytes": c.estimate["total_bytes"],
                                                "estimated_slowest_stage_s": c.estimate["slowest_stage_s"],
                                                "within_cap": self.within(c)} for c in cands}
@@ -328,15 +473,49 @@ class LayoutPlanner:
                  time.monotonic() - t_start, budget.spent_s(), budget.work_s, ", cut by the clock" if budget.cut else "")
         return LayoutPlan(rank2gpu=rank2gpu, details=details, phy2log=phy2log, wall_clock_cut=bool(budget.cut))
 
+    def search_pass(self, hints: list[Footprints]) -> None:
+        """The footprint search on :attr:`objective`, its picks scored, replicas moved."""
+        plan = self.search_footprints(hints)
+        if plan is not None:
+            self.move_replicas(*self.score_picks(plan))
+
+    def search_both(self, hints: list[Footprints]) -> None:
+        """Under ``step_time``: the ``total`` search (with its cap) on :data:`STEP_TIME_TOTAL_SHARE`
+        of the work left, then the ``bottleneck`` search (no cap, the exact entries re-offered by
+        its objective) on the rest; each pass's facts under ``details["search_<objective>"]``."""
+        budget, full_s = self.budget, self.budget.work_s
+        saved = self.details
+        try:
+            passes: tuple[Objective, ...] = ("total", "bottleneck")
+            for objective in passes:
+                self.objective, self.pass_prefix, self.details = objective, objective + ": ", {}
+                if objective == "total":
+                    budget.work_s = budget.spent_s() + STEP_TIME_TOTAL_SHARE * max(0.0, full_s - budget.spent_s())
+                else:
+                    budget.work_s = full_s
+                    self.cap_s, self.exact = None, {}
+                    for feet, a2ps, est in self.offers:
+                        self.offer(feet, a2ps, est)
+                try:
+                    self.search_pass(hints)
+                finally:
+                    saved[f"search_{objective}"] = self.details
+        finally:
+            budget.work_s, self.details, self.pass_prefix = full_s, saved, ""
+
     def run(self) -> LayoutPlan:
         t_start = time.monotonic()
         try:
             hints = self.score_peers()
-            plan = self.search_footprints(hints)
-            if plan is not None:
-                self.move_replicas(*self.score_picks(plan))
+            if self.step_model is not None:
+                self.search_both(hints)
+            else:
+                self.search_pass(hints)
         except Stopped:
             pass
+        if self.step_fallback is not None:
+            self.details["step_time_fallback"] = self.step_fallback
+        self.details["ranked_by"] = self.rank_objective
         if not self.cands and not self.default_ok:
             if self.equal_only and self.infeasible_units and not self.budget.cut:
                 inst = self.instance
@@ -359,7 +538,8 @@ def plan_layout(
     ----------
     instance : the problem (solver view).
     options : ``consumer`` (``deepep``/``hybridep``: equal consecutive slices per domain),
-        ``objective`` (``total`` or ``bottleneck``), ``time_limit_s`` (the work budget, see
+        ``objective`` (``step_time``: both byte searches, candidates ranked by predicted step
+        time; ``total`` or ``bottleneck``), ``time_limit_s`` (the work budget, see
         ``work_s``), and ``group_preserving`` (whether the expert maps scored must keep expert
         groups whole); ``stop_event`` is polled.
     deadline : ``time.monotonic()`` instant by which to return (the safety net).
