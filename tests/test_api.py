@@ -135,7 +135,7 @@ def test_solver_gets_the_deadline_the_stop_event_and_the_solver_view(tiny, monke
     options = seen["options"]
     assert options.deadline == pytest.approx(t0 + 18.0)
     assert options.stop_event is event and options.num_workers == default_workers()
-    assert options.work_budget_s == placement.solver_budget_s(tiny, 20) > 17.0
+    assert options.work_budget_s == placement.solver_budget_s(tiny, 20) > 17.0 / placement.api.LOAD_HEADROOM
     assert options.time_limit_s == 20
     assert seen["heldout"] is None and seen["should_stop"] is False
     assert "interrupted" not in result.details
@@ -155,11 +155,11 @@ def test_default_reserve_scales_with_the_routing_sample(tiny):
 
 def test_solver_budget_is_the_limit_less_size_based_overheads(tiny):
     """The work budget depends on the instance's size and the limit only (determinism)."""
-    from placement.api import STARTUP_RESERVE_S
+    from placement.api import LOAD_HEADROOM, STARTUP_RESERVE_S
 
     scoring = placement.estimate_finish_s(tiny) - placement.FINISH_RESERVE_S
     assert placement.solver_budget_s(tiny, 30.0) == pytest.approx(
-        30.0 - STARTUP_RESERVE_S - scoring - placement.estimate_finish_s(tiny)
+        (30.0 - STARTUP_RESERVE_S - scoring - placement.estimate_finish_s(tiny)) / LOAD_HEADROOM
     )
     assert placement.solver_budget_s(tiny, 0.5) == 0.0
 
