@@ -14,6 +14,8 @@ import numpy as np
 from placement.cost import evaluate
 from placement.model import InfeasibleError, Instance, Placement, SolverError
 from solvers.base import Objective, SolveOptions
+from solvers.kernels.classes import domain_classes
+from solvers.kernels.packing import lpt_pack
 from solvers.layout.blocks import (Block, block_footprints, free_per_domain, layout_blocks, part_units,
                                    stage_footprints, split_atoms)
 from solvers.layout.budget import Stopped, WorkBudget
@@ -108,23 +110,23 @@ def balance_within_classes(instance: Instance, rank2gpu: np.ndarray, phy2log: np
     slot_rank = np.arange(E) // epr
     for li, layer in enumerate(m.moe_layers):
         groups = par.stage_ep_groups[stage_of[int(layer)]]  # (G, ep) global ranks
-        doms = g2d[r2g[groups]]  # (G, ep)
+        _, rank2class = domain_classes(g2d[r2g[groups]])  # (ep,) class of every EP rank
         load = np.bincount(instance.routing.topk[li].ravel(), minlength=E).astype(np.float64)
-        keys: dict[tuple, list[int]] = {}
-        for slot in range(E):
-            key = tuple(doms[:, slot_rank[slot]].tolist()) + ((slot // group_size,) if group_size else ())
-            keys.setdefault(key, []).append(slot)
+        slot_class = rank2class[slot_rank] * (E // group_size if group_size else 1)
+        if group_size:
+            slot_class = slot_class + np.arange(E) // group_size  # and the slot's group position
         row = out[li]
         new = row.copy()
-        for slots in keys.values():
-            experts = sorted((int(e) for e in row[slots]), key=lambda e: (-load[e], e))
-            ranks = sorted({int(slot_rank[x]) for x in slots})
-            free = {r: [x for x in slots if slot_rank[x] == r] for r in ranks}
-            rank_load = {r: 0.0 for r in ranks}
-            for e in experts:
-                r = min((r for r in ranks if free[r]), key=lambda r: (rank_load[r], r))
-                new[free[r].pop(0)] = e
-                rank_load[r] += load[e]
+        for c in np.unique(slot_class):
+            slots = np.flatnonzero(slot_class == c)
+            experts = np.sort(row[slots])
+            ranks, per_rank = np.unique(slot_rank[slots], return_counts=True)
+            # Heaviest expert first (ties: lower id) onto the least-loaded EP rank with a free slot,
+            # which then fills its slots in increasing order.
+            rank_of, _ = lpt_pack(load[experts], per_rank)
+            next_slot = {int(r): list(slots[slot_rank[slots] == r]) for r in ranks}
+            for i in np.argsort(-load[experts], kind="stable"):
+                new[next_slot[int(ranks[rank_of[i]])].pop(0)] = experts[i]
         out[li] = new
     return out
 
