@@ -252,6 +252,11 @@ def solve(
     started_at: float | None = None,
     stop_event: threading.Event | None = None,
     finish_reserve_s: float | None = None,
+    previous: Placement | None = None,
+    max_moved_bytes: float | None = None,
+    move_cost: float | None = None,
+    expert_params: int | None = None,
+    sharded_optimizer: bool = True,
 ) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
 
@@ -279,6 +284,18 @@ def solve(
         placement found so far; ``details["interrupted"]`` is then True.
     finish_reserve_s : seconds kept back for checking and scoring; default
         :func:`estimate_finish_s`.
+    previous : re-place against this placement (same instance shape; ``cpsat`` only): the rank
+        layout stays ``previous.rank2gpu`` (``layout`` is not searched) and only expert maps change,
+        each moved expert replica costing its weights and optimizer state (:mod:`placement.moves`).
+        ``details["moves"]`` reports what moves and the steps to pay it back.
+    max_moved_bytes : with ``previous``, a hard budget on the bytes moved (cross-rack plus NVLink)
+        over the whole placement; 0 returns ``previous`` itself.
+    move_cost : with ``previous``, the weight ``W`` of a moved byte in per-step all-to-all bytes
+        (``1/N`` amortises the move over ``N`` steps; NVLink bytes weigh ``scaleout/nvlink`` as
+        much).  Neither given: moves are free but ties keep experts in place.
+    expert_params : parameters per routed expert (default: from the ``performance`` block).
+    sharded_optimizer : the optimizer state is sharded over each expert's replicas (Megatron's
+        distributed optimizer); False: every replica holds it whole.
 
     Returns
     -------
@@ -307,6 +324,11 @@ def solve(
     if etp_problems:
         raise InvalidInputError(etp_problems[0])
     fn = get_solver(solver)
+    move_request = None
+    if previous is not None or max_moved_bytes is not None or move_cost is not None:
+        move_request = _move_request(instance, solver, previous, max_moved_bytes, move_cost, expert_params,
+                                     sharded_optimizer, group_preserving)
+        layout = "fixed"  # the previous rank layout is kept (solvers/cpsat.py choose_rank2gpu)
     reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(
         time_limit_s=time_limit_s,
@@ -321,6 +343,7 @@ def solve(
         deadline=start + time_limit_s - reserve,
         progress=progress,
         stop_event=stop_event,
+        moves=move_request,
     )
     try:
         result = fn(instance.for_solver(), options)
@@ -336,9 +359,43 @@ def solve(
     details = dict(result.details)
     if stop_event is not None and stop_event.is_set():
         details["interrupted"] = True
+    if move_request is not None:  # what the re-placement moves and gains (placement/moves.py)
+        from placement.moves import move_report, replica_state_bytes
+
+        bpr = replica_state_bytes(instance, params=expert_params, sharded_optimizer=sharded_optimizer)
+        details["moves"] = {**details.get("moves", {}), **move_report(
+            instance, move_request.previous, result.placement, bytes_per_replica=bpr, metrics=metrics)}
+        params.update(previous=True, max_moved_bytes=max_moved_bytes, move_cost=move_cost,
+                      sharded_optimizer=sharded_optimizer, bytes_per_replica=bpr)
     return dataclasses.replace(
         result, params=params, details=details, metrics=metrics, wall_s=time.monotonic() - start
     )
+
+
+def _move_request(instance: Instance, solver: str, previous: Placement | None, max_moved_bytes: float | None,
+                  move_cost: float | None, expert_params: int | None, sharded_optimizer: bool,
+                  group_preserving: bool | None) -> Any:
+    """The checked :class:`placement.moves.MoveRequest` of a re-placement (one-line errors naming the field)."""
+    from placement.moves import MoveRequest, check_previous, replica_state_bytes
+    from solvers.kernels import keeps_expert_groups
+
+    if previous is None:
+        raise InvalidInputError("previous: max_moved_bytes and move_cost need the previous placement")
+    if solver != "cpsat":
+        raise InvalidInputError(f"solver: only cpsat re-places against a previous placement, found {solver!r}")
+    if not isinstance(previous, Placement):
+        raise InvalidInputError(f"previous: expected a Placement, found {type(previous).__name__}")
+    check_previous(instance, previous, "previous")
+    if sharded_optimizer not in (True, False):
+        raise InvalidInputError(f"sharded_optimizer: expected True or False, found {sharded_optimizer!r}")
+    request = MoveRequest(previous, max_moved_bytes, move_cost, expert_params, bool(sharded_optimizer))
+    replica_state_bytes(instance, params=expert_params)  # the expert size must be known
+    gp = instance.model.group_limited if group_preserving is None else group_preserving
+    if gp and instance.model.num_groups > 1 and not keeps_expert_groups(previous.phy2log,
+                                                                       instance.model.experts_per_group):
+        raise InvalidInputError("previous: phy2log: the previous expert maps break expert groups and this solve "
+                                "is group-preserving (re-place with group_preserving off)")
+    return request
 
 
 def verify_placement(instance_path: str | os.PathLike[str], placement_path: str | os.PathLike[str]) -> VerifyReport:

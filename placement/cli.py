@@ -147,6 +147,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     if args.output:
         _check_output_path(args.output)
     instance = load_instance(args.instance)
+    moves_kwargs = _move_arguments(args, instance)
     # The default layout's report, for the comparison below; its time predicts the time needed
     # to score the solver's answer, which is kept back from the solver's share of the limit.
     t0 = time.monotonic()
@@ -167,11 +168,12 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             consumer=args.consumer,
             group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
             objective=args.objective,
-            layout=args.layout,
+            layout=args.layout or "optimize",
             progress=progress,
             started_at=started_at,
             stop_event=stop.event,
             finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
+            **moves_kwargs,
         )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
@@ -201,6 +203,8 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             "metrics": result.metrics,
             "default_metrics": baseline,
         }
+        if "moves" in result.details:
+            out["moves"] = result.details["moves"]
         print(json.dumps(out, sort_keys=True))
         return EXIT_OK
     m, b = result.metrics, baseline
@@ -227,9 +231,58 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                     text = f"{label.replace('predicted ', '')} ({window})"
                     print(f"  {text:<38}{fmt(b[k]):>16}{fmt(m[k]):>16}{ratio:>8.3f}")
     print("\n".join(_footprint_lines(instance, result)))
+    if "moves" in result.details:
+        print("\n".join(_moves_lines(args.previous, result.details["moves"])))
     if args.output:
         print(f"  wrote {args.output}")
     return EXIT_OK
+
+
+def _move_arguments(args: argparse.Namespace, instance: Instance) -> dict:
+    """The re-placement keywords of :func:`placement.api.solve` from ``--previous`` and its options."""
+    if args.previous is None:
+        for flag, value in (("--max-moved-bytes", args.max_moved_bytes), ("--move-cost", args.move_cost),
+                            ("--expert-params", args.expert_params)):
+            if value is not None:
+                raise InvalidInputError(f"{flag}: needs --previous")
+        return {}
+    from placement.moves import load_previous, parse_moved_bytes, replica_state_bytes
+
+    if args.layout == "optimize":
+        raise InvalidInputError("--layout: --previous keeps the previous rank layout (re-placing ranks would move "
+                                "every expert of every moved rank); drop --layout optimize")
+    previous = load_previous(instance, args.previous)
+    sharded = args.optimizer_state == "sharded"
+    out: dict = {"previous": previous, "expert_params": args.expert_params, "sharded_optimizer": sharded,
+                 "move_cost": args.move_cost}
+    if args.max_moved_bytes is not None:
+        bpr = replica_state_bytes(instance, params=args.expert_params, sharded_optimizer=sharded)
+        out["max_moved_bytes"] = parse_moved_bytes(args.max_moved_bytes, instance, bpr)
+    return out
+
+
+def _moves_lines(previous: str, mv: dict) -> list[str]:
+    """What the re-placement moved and gained against the previous placement."""
+    lines = [f"  re-placement of {previous}: {mv['moved_replicas']:,} of {mv['replicas_total']:,} expert replicas moved "
+             f"({100 * mv['moved_share']:.1f}%), {_gb(mv['moved_bytes_cross_rack'])} across racks, "
+             f"{_gb(mv['moved_bytes_nvlink'])} over NVLink ({_gb(mv['bytes_per_replica'])} each), "
+             f"move time {mv['move_time_s']:.3g} s"]
+    gain = mv.get("gain", {})
+    parts = []
+    if "heldout_cross_domain_bytes_per_step" in gain:
+        parts.append(f"cross-domain bytes (h-o) {_gb(gain['heldout_cross_domain_bytes_per_step'])}")
+    if "heldout_predicted_step_time_s" in gain:
+        parts.append(f"predicted step time (h-o) {gain['heldout_predicted_step_time_s']:.4g} s")
+    if parts:
+        lines.append("  gain per step against the previous placement: " + ", ".join(parts))
+    if mv.get("payback_steps") is not None:
+        lines.append(f"  the move pays back in {mv['payback_steps']:.1f} steps (move time / step time gained)")
+    elif mv.get("payback_steps_bytes") is not None:
+        lines.append(f"  the move pays back in {mv['payback_steps_bytes']:.1f} steps (cross-rack bytes moved / "
+                     "cross-domain bytes saved per step)")
+    elif mv["moved_replicas"]:
+        lines.append("  the move does not pay back: no held-out gain")
+    return lines
 
 
 def _footprint_lines(instance: Instance, result: SolveResult) -> list[str]:
@@ -389,9 +442,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="step_time (default): fastest predicted step (the performance model on the evaluator's "
                          "metrics, bytes break ties; total when the instance has no performance block); total: fewest cross-domain bytes with no stage slower than the default layout's "
                          "slowest; bottleneck: the slowest stage's all-to-all time")
-    so.add_argument("--layout", default="optimize", choices=LAYOUT_MODES,
-                    help="optimize the rank -> GPU map, or keep the default one (fixed)")
+    so.add_argument("--layout", default=None, choices=LAYOUT_MODES,
+                    help="optimize the rank -> GPU map (default), or keep the default one (fixed); with "
+                         "--previous the previous rank layout is kept")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
+    mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")
+    mv.add_argument("--previous", metavar="OLD.json",
+                    help="re-place against this placement file (same instance shape): keep its rank layout, "
+                         "change expert maps only, report what moves")
+    rule = mv.add_mutually_exclusive_group()
+    rule.add_argument("--max-moved-bytes", metavar="B",
+                      help="hard budget on the expert state moved (cross-rack plus NVLink), in bytes or as a "
+                           "share of all expert replicas' state (10%%); 0 keeps the previous placement")
+    rule.add_argument("--move-cost", type=float, metavar="W",
+                      help="a moved byte costs W bytes of per-step all-to-all (1/N: amortised over N steps; "
+                           "NVLink bytes weigh scaleout/nvlink); default 0 (moves free, ties keep experts)")
+    mv.add_argument("--expert-params", type=int, metavar="N",
+                    help="parameters per routed expert (default: from the instance's performance block)")
+    mv.add_argument("--optimizer-state", default="sharded", choices=("sharded", "replicated"),
+                    help="optimizer state sharded over an expert's replicas (distributed optimizer, default) or "
+                         "held whole by each")
 
     from placement.export import FORMATS
 

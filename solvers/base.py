@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Protocol
 
 from placement.model import Instance, Placement
+from placement.moves import MoveRequest
 
 __all__ = [
     "Consumer",
@@ -96,6 +97,8 @@ class SolveOptions:
     progress : called with one-line progress messages (the CLI prints them on a terminal).
     stop_event : set by the caller to ask for the best placement found so far now (the CLI sets
         it on SIGINT/SIGTERM); solvers poll :meth:`should_stop`, which also covers the deadline.
+    moves : a move-aware re-placement (:class:`placement.moves.MoveRequest`: the previous placement,
+        a moved-bytes budget or a move cost); only ``cpsat`` reads it.
     """
 
     time_limit_s: float = 60.0
@@ -109,6 +112,7 @@ class SolveOptions:
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
     stop_event: threading.Event | None = field(default=None, compare=False)
+    moves: MoveRequest | None = field(default=None, compare=False)
 
     def resolved_deadline(self) -> float:
         return self.deadline if self.deadline is not None else time.monotonic() + self.time_limit_s

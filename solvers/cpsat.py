@@ -65,6 +65,11 @@ def choose_rank2gpu(
     search :func:`solvers.layout.plan_layout` on :data:`solvers.layout.LAYOUT_TIME_SHARE` of the time
     left (it never returns a layout its estimate scores worse than the default).
     """
+    if options.moves is not None:  # re-placement: keep the previous rank layout, re-place experts only
+        prev = options.moves.previous
+        return (np.asarray(prev.rank2gpu, dtype=np.int64).copy(),
+                {"source": "previous", "reason": "re-placement keeps the previous rank layout"},
+                np.asarray(prev.phy2log, dtype=np.int64).copy())
     rank2gpu = default_rank2gpu(instance)
     if options.layout == "fixed":
         return rank2gpu, {"source": "default", "reason": "layout fixed"}, None
@@ -80,7 +85,7 @@ def choose_rank2gpu(
 def _expert_options(options: SolveOptions) -> SolveOptions:
     """The options the expert placer sizes its deterministic work by: the work budget's share left
     after the rank layout (a function of the budget alone, so the result does not depend on the clock)."""
-    if options.layout == "fixed":
+    if options.layout == "fixed" or options.moves is not None:  # no rank-layout search ran
         return options
     from solvers.layout import LAYOUT_TIME_SHARE
 
@@ -191,11 +196,22 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
 
         check_s = 3 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
         expert_deadline = max(time.monotonic(), deadline - check_s)
-    plan = place_experts(instance, rank2gpu, expert_options, deadline=expert_deadline, hint_phy2log=layout_phy2log)
+    move_plan = None
+    if options.moves is not None:  # move-aware re-placement (solvers/experts/moves.py)
+        from solvers.experts.moves import build_plan_for
+
+        move_plan = build_plan_for(instance, rank2gpu, options.moves)
+    plan = place_experts(instance, rank2gpu, expert_options, deadline=expert_deadline, hint_phy2log=layout_phy2log,
+                         moves=move_plan)
     placement = Placement(rank2gpu, plan.phy2log)
     status: Literal["optimal", "feasible"] = "optimal" if plan.proved else "feasible"
     objective_bytes, bound_bytes = plan.objective_bytes, plan.bound_bytes
-    step_check = step_time_check(instance, options, placement, layout_info, layout_phy2log=layout_phy2log)
+    if options.moves is not None:
+        from solvers.experts.moves import previous_check
+
+        step_check = previous_check(instance, options, placement, move_plan)
+    else:
+        step_check = step_time_check(instance, options, placement, layout_info, layout_phy2log=layout_phy2log)
     if "return_placement" in step_check:
         from placement.cost import evaluate
 

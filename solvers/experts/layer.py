@@ -68,6 +68,8 @@ class LayerOutcome:
     proved: bool
     details: dict
     wall_s: float = 0.0
+    # Move-aware re-placement (solvers/experts/moves.py): the layer's candidate maps, previous first.
+    move_frontier: list = field(default_factory=list)
 
 
 def _tolerance_ladder(problem: LayerProblem, cost: np.ndarray, base: float) -> tuple[float, np.ndarray | None]:

@@ -29,6 +29,7 @@ from solvers.base import SolveOptions
 from solvers.experts.bounds import sum_bounds
 from solvers.experts.budget import LayerBudget, StopCheck, deterministic_budget
 from solvers.experts.layer import LayerOutcome, solve_layer
+from solvers.experts.moves import LayerMoves, MovePlan, allocate_moves, move_frontier
 from solvers.experts.problem import LayerProblem, build_layer_problem
 from solvers.experts.tuning import (
     CLASS_LOAD_TOLERANCE,
@@ -77,6 +78,7 @@ class LayerTask:
     model_groups: int
     class_tolerance: float
     hint_row: np.ndarray | None
+    moves: LayerMoves | None = None  # move-aware re-placement: the layer's move prices
 
 
 class LayerWorker:
@@ -99,8 +101,13 @@ class LayerWorker:
     def solve(self, task: LayerTask) -> LayerOutcome:
         if StopCheck(task.budget.deadline, self.options)():
             return self.fallback(task.layer, "stopped before the layer started", task.hint_row)
-        return solve_layer(self.problem(task.layer), task.budget, model_groups=task.model_groups,
-                           class_tolerance=task.class_tolerance, hint_phy2log=task.hint_row, options=self.options)
+        problem = self.problem(task.layer)
+        outcome = solve_layer(problem, task.budget, model_groups=task.model_groups,
+                              class_tolerance=task.class_tolerance, hint_phy2log=task.hint_row, options=self.options)
+        if task.moves is not None:  # move-aware re-placement: candidates between the previous map and this one
+            outcome.move_frontier = move_frontier(problem, outcome.expert2slot, task.moves,
+                                                  outcome.details.get("load_tolerance"))
+        return outcome
 
     def fallback(self, layer: int, reason: str, hint_row: np.ndarray | None = None) -> LayerOutcome:
         """The map of a layer left unsolved at a stop or the deadline, with no work at all.
@@ -327,6 +334,7 @@ def place_experts(
     hint_phy2log: np.ndarray | None = None,
     use_pool: bool | None = None,
     pool_initializer: Callable[..., None] | None = None,
+    moves: MovePlan | None = None,
 ) -> ExpertPlan:
     """Optimise every MoE layer's expert map for a FIXED rank layout ``rank2gpu``.
 
@@ -351,6 +359,10 @@ def place_experts(
     pool_initializer : the pool's worker initializer, called in each child with ``(instance,
         rank2gpu, group_preserving, validation_fraction)`` (default: the one that builds the child's
         :class:`LayerWorker`); a parameter so that tests can make the workers fail to start.
+    moves : move-aware re-placement (:mod:`solvers.experts.moves`): each layer also builds candidate
+        maps between the previous map and its solved one, and one per layer is chosen under the
+        budget or the move cost; layers left at a fallback map keep ``hint_phy2log`` (pass the
+        previous maps there).
     """
     t0 = time.monotonic()
     model = instance.model
@@ -377,14 +389,47 @@ def place_experts(
                        f"[{len(outcomes)}/{len(todo)}]")
 
     tasks = [LayerTask(li, budgets[li], model.num_groups, class_tolerance,
-                       None if hint_phy2log is None else hint_phy2log[li]) for li in todo]
+                       None if hint_phy2log is None else hint_phy2log[li],
+                       None if moves is None else moves.layers[li]) for li in todo]
     _solve_all(tasks, weight_of, worker, deadline, options,
                pairs_total >= POOL_MIN_PAIRS if use_pool is None else use_pool, finished, outcomes, pool_initializer)
+    moves_summary = None if moves is None else _apply_moves(instance, outcomes, todo, moves)
     phy2log, objective_bytes, bpc = _checked_plan(instance, rank2gpu, worker.layout, todo, outcomes)
     bound_bytes = None
     if layers is None or len(todo) == L:
         bound_bytes = sum_bounds([None if (b := outcomes[li].bound) is None else b * bpc for li in todo])
     details = _plan_details([outcomes[li] for li in todo], bpc, gp=gp, validation_fraction=validation_fraction,
                             class_tolerance=class_tolerance, deterministic_time_total=float(sum(dets)))
+    if moves_summary is not None:
+        details["moves"] = moves_summary
     log.info("expert placement: %d layers in %.1f s", len(todo), time.monotonic() - t0)
     return ExpertPlan(phy2log=phy2log, objective_bytes=objective_bytes, bound_bytes=bound_bytes, details=details)
+
+
+def _apply_moves(instance: Instance, outcomes: dict[int, LayerOutcome], todo: list[int], moves: MovePlan) -> dict:
+    """Move-aware re-placement: replace every solved layer's map by the candidate :func:`allocate_moves`
+    chooses (a layer without candidates, left at its fallback map, keeps it); returns the summary."""
+    bpc = bytes_per_crossing(instance, instance.routing.tokens_per_source)
+    frontiers = {li: outcomes[li].move_frontier for li in todo if outcomes[li].move_frontier}
+    chosen = allocate_moves(frontiers, moves, bpc)
+    for li, c in chosen.items():
+        o = outcomes[li]
+        solved = o.crossings
+        o.details["moves"] = {"chosen": c.name, "candidates": len(frontiers[li]), "crossings": c.crossings,
+                              "solved_crossings": solved, "previous_crossings": frontiers[li][0].crossings,
+                              "moved_replicas_cross_rack": c.cross, "moved_replicas_nvlink": c.nvlink}
+        o.expert2slot, o.crossings = c.expert2slot, c.crossings
+        o.details["objective_crossings"] = c.crossings
+        if o.bound is not None and o.bound > c.crossings:  # the previous map may lie outside the load caps
+            o.bound = c.crossings
+            o.details["bound_crossings"] = c.crossings
+        o.proved = o.bound is not None and o.bound == c.crossings
+        if o.details.get("status") in ("optimal", "feasible"):
+            o.details["status"] = "optimal" if o.proved else "feasible"
+        o.move_frontier = []
+    used = sum(c.replicas for c in chosen.values())
+    return {"rule": "max_moved_bytes" if moves.max_moved_replicas is not None else "move_cost",
+            "max_moved_replicas": moves.max_moved_replicas, "move_cost": moves.move_cost,
+            "bytes_per_replica": moves.bytes_per_replica, "moved_replicas": used,
+            "layers_without_candidates": sorted(set(todo) - set(frontiers))}
+

@@ -1,0 +1,432 @@
+"""Move-aware re-placement: per-layer candidate maps between the previous map and the solved one,
+and their allocation over layers under a moved-bytes budget or a move-cost weight.
+
+The accounting (bytes per replica, moves counted by GPU) is :mod:`placement.moves`; this module is
+the search side.
+
+Per layer (in the layer's worker, after :func:`solvers.experts.layer.solve_layer`):
+
+* **Move prices.** :class:`LayerMoves` holds, for every expert ``e`` and EP rank ``r``, how many of
+  ``e``'s replicas (one per EP group) would move across racks and over NVLink if ``e`` sat on
+  ``r``, counted by GPU from the previous placement (0 on the previous rank).  For a class ``c`` the
+  price is the cheapest rank of the class, ``L[e, c] = min_r (cross[e, r] + w * nvlink[e, r])``
+  (``w`` = 1 under a bytes budget, ``scaleout_gbps / nvlink_gbps`` under a move cost): staying in
+  the previous class is a linear bonus, which the swap deltas take exactly
+  (:class:`MoveSwapKernel`: ``M[e, c] += L[e, c] - L[e, class(e)]``).
+* **Candidates.** The previous map; the solved map (balanced as the solver did, and re-slotted to
+  keep experts on their previous GPU); and swap searches on all sampled tokens minimising
+  ``crossings + lambda * L`` from the previous map and from the solved map, for a fixed ladder of
+  ``lambda`` (multiples of the solved map's crossings saved per moved replica, and the move cost's
+  own price).  Group-preserving layers swap only inside expert groups, so every candidate keeps
+  groups whole.
+* **Previous GPUs first.** :func:`keep_previous_slots` turns a class map into slots: an expert
+  whose previous slot lies in its bin (class, and group position) keeps that slot; the others fill
+  the vacated slots heaviest first onto the least-loaded rank (:func:`solvers.kernels.lpt_pack`).
+  In group-preserving mode an expert group keeps its previous position when the type fits.
+
+Over layers (:func:`allocate_moves`, in the calling process, deterministic):
+
+* ``max_moved_bytes``: a multiple-choice knapsack solved greedily: each layer's candidates on the
+  lower convex hull of (moved replicas, crossings), steps taken in order of crossings saved per
+  moved replica (ties: lower layer) while they fit the budget, then single upgrades that still fit.
+  A zero budget keeps every layer's previous map exactly.
+* ``move_cost``: per layer, the candidate with the lowest ``crossings * bytes_per_crossing + W *
+  (cross-rack + w * NVLink moved bytes)`` (ties: fewer moves, the previous map first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from placement.model import Instance, Placement
+from solvers.experts.problem import LayerProblem, NetSet, group2type_of, net_crossings
+from solvers.experts.tuning import MAX_SWAPS
+from solvers.kernels import NetSwapSearch, lpt_pack
+
+__all__ = ["LayerMoves", "MoveCandidate", "MovePlan", "MoveSwapKernel", "build_move_plan", "keep_previous_slots",
+           "move_frontier", "allocate_moves", "LAMBDA_LADDER"]
+
+# Multiples of the solved map's crossings saved per moved (weighted) replica tried as move prices.
+LAMBDA_LADDER = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class LayerMoves:
+    """One layer's move prices (picklable: it travels with the layer's task).
+
+    prev_expert2slot : (E,) slot of each expert in the previous placement.
+    cross : (E, ep) int64, replicas of ``e`` that move across racks if ``e`` sits on EP rank ``r``.
+    nvlink : (E, ep) int64, the same over NVLink.
+    nvlink_weight : ``w``, the weight of an NVLink move against a cross-rack one.
+    price : crossings per weighted replica under a move cost (None under a budget).
+    """
+
+    prev_expert2slot: np.ndarray
+    cross: np.ndarray
+    nvlink: np.ndarray
+    nvlink_weight: float
+    price: float | None
+
+    def weighted(self) -> np.ndarray:
+        """(E, ep) weighted replicas moved, ``cross + w * nvlink``."""
+        return self.cross + self.nvlink_weight * self.nvlink
+
+
+@dataclass(frozen=True)
+class MoveCandidate:
+    """A candidate map of one layer.  expert2slot : (E,); replicas moved by kind; crossings on all sampled tokens."""
+
+    name: str
+    expert2slot: np.ndarray
+    crossings: int
+    cross: int
+    nvlink: int
+
+    @property
+    def replicas(self) -> int:
+        return self.cross + self.nvlink
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """The move request as the expert placer sees it: per-layer prices and the rule.
+
+    layers : MoE layer -> :class:`LayerMoves`.
+    max_moved_replicas : the budget in replicas (``floor(max_moved_bytes / bytes_per_replica)``), or None.
+    move_cost : ``W`` (None under a budget).
+    bytes_per_replica : state bytes per replica.
+    """
+
+    layers: dict[int, LayerMoves]
+    max_moved_replicas: int | None
+    move_cost: float | None
+    bytes_per_replica: float
+
+
+def build_move_plan(instance: Instance, rank2gpu: np.ndarray, previous: Placement, *, bytes_per_replica: float,
+                    max_moved_bytes: float | None, move_cost: float | None) -> MovePlan:
+    """Per-layer move prices for a solve on ``rank2gpu`` re-placing ``previous`` (counted by GPU)."""
+    from placement.moves import replica_gpus
+
+    par, cl = instance.parallel, instance.cluster
+    dom = cl.gpu2domain
+    prev_gpu = replica_gpus(instance, previous)  # (L, G, E)
+    groups = par.stage_ep_groups  # (pp, G, ep)
+    r2g = np.asarray(rank2gpu, dtype=np.int64)
+    epr = instance.experts_per_rank
+    E = instance.model.num_experts
+    w = 1.0 if move_cost is None else float(cl.scaleout_gbps) / float(cl.nvlink_gbps)
+    bpc = None
+    if move_cost is not None:
+        from solvers.kernels import bytes_per_crossing
+
+        bpc = bytes_per_crossing(instance, instance.routing.tokens_per_source)
+    layers: dict[int, LayerMoves] = {}
+    for li, s in enumerate(np.asarray(instance.moe_layer2stage, dtype=np.int64)):
+        new_gpu = r2g[groups[s]]  # (G, ep)
+        old = prev_gpu[li]  # (G, E)
+        moved = old[:, :, None] != new_gpu[:, None, :]  # (G, E, ep)
+        far = dom[old][:, :, None] != dom[new_gpu][:, None, :]
+        prev_slots = np.empty(E, dtype=np.int64)
+        prev_slots[np.asarray(previous.phy2log[li], dtype=np.int64)] = np.arange(E)
+        price = None if move_cost is None else float(move_cost) * bytes_per_replica / float(bpc or 1.0)
+        layers[li] = LayerMoves(prev_slots, (moved & far).sum(axis=0).astype(np.int64),
+                                (moved & ~far).sum(axis=0).astype(np.int64), w, price)
+        assert prev_slots.shape[0] == E and epr > 0
+    budget = None
+    if max_moved_bytes is not None:
+        budget = int(np.floor(max_moved_bytes / bytes_per_replica + 1e-9)) if bytes_per_replica > 0 else 0
+    return MovePlan(layers, budget, move_cost, float(bytes_per_replica))
+
+
+class MoveSwapKernel(NetSwapSearch):
+    """:class:`solvers.kernels.NetSwapSearch` plus a linear cost ``linear[e, c]`` of item ``e`` in class ``c``.
+
+    The linear part of a move's delta is ``linear[e, c] - linear[e, class(e)]``; it is kept inside
+    ``M``, so swap deltas (and their ties) are exact for crossings plus the linear cost.
+    """
+
+    def __init__(self, *args: object, linear: np.ndarray, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.linear = np.asarray(linear, dtype=np.float64)
+
+    def _linear_part(self, e2c: np.ndarray, items: np.ndarray) -> np.ndarray:
+        lin = self.linear[items]
+        return lin - lin[np.arange(items.shape[0]), e2c[items]][:, None]
+
+    def init_state(self, e2c: np.ndarray) -> None:
+        super().init_state(e2c)
+        self.M = self.M + self._linear_part(e2c, np.arange(self.E))
+
+    def apply(self, e2c: np.ndarray, e: int, f: int) -> None:
+        items = np.array([e, f], dtype=np.int64)
+        self.M[items] -= self._linear_part(e2c, items)
+        super().apply(e2c, e, f)
+        self.M[items] += self._linear_part(e2c, items)
+
+    def total(self, e2c: np.ndarray) -> float:
+        """Crossings plus the linear cost of ``e2c``."""
+        return float(self.cost(e2c)) + float(self.linear[np.arange(self.E), e2c].sum())
+
+
+def _class_prices(problem: LayerProblem, lm: LayerMoves) -> np.ndarray:
+    """(E, C) weighted replicas moved if ``e`` sits in class ``c`` on its cheapest rank."""
+    wt = lm.weighted()  # (E, ep)
+    out = np.empty((problem.num_experts, problem.num_classes))
+    for c in range(problem.num_classes):
+        out[:, c] = wt[:, problem.rank2class == c].min(axis=1)
+    return out
+
+
+def _bins(problem: LayerProblem, expert2class: np.ndarray, prev_slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Slots and the experts that must fill them: per class, and per group position in group-preserving
+    mode, where an expert group keeps its previous position when that position's type fits."""
+    s2c = problem.slot2class
+    if not problem.group_preserving:
+        return [(np.flatnonzero(s2c == c), np.flatnonzero(expert2class == c)) for c in range(problem.num_classes)]
+    gs = problem.expert_group_size
+    P = problem.num_group_positions
+    g2t = group2type_of(problem, expert2class)
+    assert g2t is not None  # group-preserving mode
+    position2type, _, _ = problem.position_types
+    p2g = np.full(P, -1, dtype=np.int64)
+    placed = np.zeros(P, dtype=bool)
+    for grp in range(P):  # the previous position first
+        p = int(prev_slots[grp * gs]) // gs
+        if p2g[p] == -1 and position2type[p] == g2t[grp]:
+            p2g[p], placed[grp] = grp, True
+    for grp in range(P):
+        if not placed[grp]:
+            free = np.flatnonzero((p2g == -1) & (position2type == g2t[grp]))
+            p2g[free[0]], placed[grp] = grp, True
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for p in range(P):
+        grp = p2g[p]
+        slots_p = np.arange(p * gs, (p + 1) * gs)
+        experts_g = np.arange(grp * gs, (grp + 1) * gs)
+        for c in range(problem.num_classes):
+            slots = slots_p[s2c[slots_p] == c]
+            if slots.size:
+                out.append((slots, experts_g[expert2class[experts_g] == c]))
+    return out
+
+
+def keep_previous_slots(problem: LayerProblem, expert2class: np.ndarray, prev_slots: np.ndarray) -> np.ndarray:
+    """(E,) slots for ``expert2class`` keeping every expert whose previous slot is in its bin there.
+
+    The others fill the bin's vacated slots by LPT packing (heaviest first onto the rank whose
+    busiest EP group stays lowest, loads counted from the experts already placed); a rank's
+    arrivals take its free slots in ascending expert id.  With ``expert2class`` the previous map's
+    classes this returns ``prev_slots`` itself.
+    """
+    E, epr = problem.num_experts, problem.experts_per_rank
+    total = problem.load.sum(axis=1).astype(np.float64)
+    mean = np.where(total > 0, total / problem.ep, 1.0)
+    norm = problem.load / mean[:, None]  # (G, E)
+    bins = _bins(problem, expert2class, prev_slots)
+    out = np.full(E, -1, dtype=np.int64)
+    rank_load = np.zeros((problem.num_ep_groups, problem.ep))
+    arrivals: list[tuple[np.ndarray, np.ndarray]] = []
+    for slots, experts in bins:
+        stay = experts[np.isin(prev_slots[experts], slots)]
+        out[stay] = prev_slots[stay]
+        np.add.at(rank_load.T, prev_slots[stay] // epr, norm[:, stay].T)
+        free = np.setdiff1d(slots, prev_slots[stay])
+        arrivals.append((free, np.setdiff1d(experts, stay)))
+    for free, movers in arrivals:
+        if movers.size == 0:
+            continue
+        ranks, counts = np.unique(free // epr, return_counts=True)
+        pack_of, rank_load[:, ranks] = lpt_pack(norm[:, movers], counts, initial_load=rank_load[:, ranks])
+        for j, r in enumerate(ranks):
+            mine = np.sort(movers[pack_of == j])
+            out[mine] = np.sort(free[free // epr == r])[: mine.shape[0]]
+    return out
+
+
+def _candidate(problem: LayerProblem, lm: LayerMoves, name: str, slots: np.ndarray) -> MoveCandidate:
+    r = slots // problem.experts_per_rank
+    e = np.arange(problem.num_experts)
+    crossings = net_crossings(problem.nets_all, problem.slot2class[slots], problem.class_sig, problem.cost_mode)
+    return MoveCandidate(name, slots.astype(np.int64), int(crossings), int(lm.cross[e, r].sum()),
+                         int(lm.nvlink[e, r].sum()))
+
+
+def _penalised_search(problem: LayerProblem, nets: NetSet, start: np.ndarray, cap: np.ndarray | None,
+                      linear: np.ndarray) -> np.ndarray:
+    """Swap search on ``crossings + linear`` from ``start`` (inside expert groups when group-preserving)."""
+    kernel = MoveSwapKernel(
+        nets.experts, problem.class_sig[:, nets.group], nets.src, nets.weight,
+        num_items=problem.num_experts, num_domains=problem.num_domains, cost_mode=problem.cost_mode,
+        load=problem.load, swap_label=problem.expert2group if problem.group_preserving else None, linear=linear,
+    )
+    e2c = np.array(start, dtype=np.int64)
+    if nets.num_nets == 0 or problem.num_classes < 2:
+        return e2c
+    loads = problem.class_loads(e2c)
+    cap_eff = None if cap is None else np.maximum(cap, loads)  # never worsen a class already over
+    kernel.run_swaps(e2c, loads, cap_eff, MAX_SWAPS)
+    return e2c
+
+
+def move_frontier(problem: LayerProblem, solved_slots: np.ndarray, lm: LayerMoves,
+                  load_tolerance: float | None) -> list[MoveCandidate]:
+    """The layer's candidates (module docstring), the previous map first; duplicates dropped."""
+    prev = np.asarray(lm.prev_expert2slot, dtype=np.int64)
+    out = [_candidate(problem, lm, "previous", prev)]
+    seen = {prev.tobytes()}
+
+    def add(name: str, slots: np.ndarray) -> None:
+        key = slots.tobytes()
+        if key not in seen:
+            seen.add(key)
+            out.append(_candidate(problem, lm, name, slots))
+
+    solved_slots = np.asarray(solved_slots, dtype=np.int64)
+    add("solved", solved_slots)
+    solved_e2c = problem.slot2class[solved_slots]
+    add("solved_kept", keep_previous_slots(problem, solved_e2c, prev))
+    if problem.trivial or load_tolerance is None:
+        return out
+    best = min(out, key=lambda c: c.crossings)
+    gain = out[0].crossings - best.crossings
+    L = _class_prices(problem, lm)
+    prev_e2c = problem.slot2class[prev]
+    cap = problem.load_cap(load_tolerance)
+    lambdas: list[tuple[str, float]] = []
+    if lm.price is not None:
+        lambdas.append(("price", lm.price))
+    if gain > 0:
+        w_best = float(L[np.arange(problem.num_experts), problem.slot2class[best.expert2slot]].sum())
+        scale = gain / max(1.0, w_best)
+        lambdas += [(f"x{f:g}", scale * f) for f in LAMBDA_LADDER]
+    for tag, lam in lambdas:
+        for origin, start in (("previous", prev_e2c), ("solved", solved_e2c)):
+            e2c = _penalised_search(problem, problem.nets_all, start, cap, lam * L)
+            add(f"from_{origin}_{tag}", keep_previous_slots(problem, e2c, prev))
+    return out
+
+
+def _hull(cands: list[MoveCandidate]) -> list[MoveCandidate]:
+    """The lower convex hull of (replicas, crossings) from the previous map (index 0), cheapest first."""
+    pts = sorted(cands, key=lambda c: (c.replicas, c.crossings))
+    pareto: list[MoveCandidate] = []
+    for c in pts:
+        if not pareto or c.crossings < pareto[-1].crossings:
+            if pareto and c.replicas == pareto[-1].replicas:
+                continue
+            pareto.append(c)
+    hull: list[MoveCandidate] = []
+    for c in pareto:
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b lies on or above the segment a-c: drop it
+            if (b.crossings - a.crossings) * (c.replicas - a.replicas) >= (c.crossings - a.crossings) * (b.replicas - a.replicas):
+                hull.pop()
+            else:
+                break
+        hull.append(c)
+    return hull
+
+
+def allocate_moves(frontiers: dict[int, list[MoveCandidate]], plan: MovePlan,
+                   bytes_per_crossing: float) -> dict[int, MoveCandidate]:
+    """Each layer's chosen candidate (module docstring); ``frontiers[l][0]`` is the previous map."""
+    if plan.max_moved_replicas is None:
+        W = float(plan.move_cost or 0.0)
+        out = {}
+        for li, cands in frontiers.items():
+            w = plan.layers[li].nvlink_weight
+
+            def obj(c: MoveCandidate, w: float = w) -> float:
+                return c.crossings * bytes_per_crossing + W * (c.cross + w * c.nvlink) * plan.bytes_per_replica
+
+            order = {id(c): i for i, c in enumerate(cands)}
+            out[li] = min(cands, key=lambda c: (obj(c), c.replicas, order[id(c)]))
+        return out
+    left = plan.max_moved_replicas
+    chosen = {li: cands[0] for li, cands in frontiers.items()}
+    assert all(c.name == "previous" and c.replicas == 0 for c in chosen.values())
+    hulls = {li: _hull(cands) for li, cands in frontiers.items()}
+    steps = []  # (-slope, layer, index along the hull)
+    for li, h in hulls.items():
+        for i in range(1, len(h)):
+            d_rep, d_cross = h[i].replicas - h[i - 1].replicas, h[i - 1].crossings - h[i].crossings
+            steps.append((-d_cross / d_rep, li, i))
+    steps.sort()
+    at = {li: 0 for li in hulls}
+    blocked: set[int] = set()
+    for _, li, i in steps:
+        if li in blocked or at[li] != i - 1:
+            continue
+        extra = hulls[li][i].replicas - chosen[li].replicas
+        if extra > left:
+            blocked.add(li)
+            continue
+        left -= extra
+        chosen[li], at[li] = hulls[li][i], i
+    while True:  # single upgrades that still fit, best saving first (ties: lower layer)
+        best: tuple[int, int, MoveCandidate] | None = None
+        for li in sorted(frontiers):
+            cur = chosen[li]
+            for c in frontiers[li]:
+                extra = c.replicas - cur.replicas
+                saved = cur.crossings - c.crossings
+                if saved > 0 and extra <= left and (best is None or saved > best[0]):
+                    best = (saved, li, c)
+        if best is None:
+            break
+        _, li, c = best
+        left -= c.replicas - chosen[li].replicas
+        chosen[li] = c
+    return chosen
+
+
+def build_plan_for(instance: Instance, rank2gpu: np.ndarray, request: object) -> MovePlan:
+    """:func:`build_move_plan` from a :class:`placement.moves.MoveRequest` (move cost 0 when it gives neither rule)."""
+    from placement.moves import MoveRequest, replica_state_bytes
+
+    assert isinstance(request, MoveRequest)
+    bpr = replica_state_bytes(instance, params=request.expert_params, sharded_optimizer=request.sharded_optimizer)
+    move_cost = request.move_cost
+    if request.max_moved_bytes is None and move_cost is None:
+        move_cost = 0.0
+    return build_move_plan(instance, rank2gpu, request.previous, bytes_per_replica=bpr,
+                           max_moved_bytes=request.max_moved_bytes, move_cost=move_cost)
+
+
+def previous_check(instance: Instance, options: object, placement: Placement, plan: MovePlan | None) -> dict:
+    """Under ``step_time``: the re-placement against keeping the previous placement, in predicted step
+    time on the sampled window (plus, under a move cost, ``W`` times the move time: the move amortised).
+
+    Returns ``{}`` for the byte objectives (the allocation already minimised bytes plus move cost);
+    else the predictions, ``returned`` (``solved`` or ``previous placement``) and, when the previous
+    placement wins (ties included: it moves nothing), ``return_placement``.
+    """
+    from placement.cost import evaluate
+    from placement.moves import count_moves
+    from placement.performance import StepTimeModel
+    from solvers.base import SolveOptions
+
+    assert isinstance(options, SolveOptions) and options.moves is not None and plan is not None
+    if options.objective != "step_time":
+        return {}
+    try:
+        model = StepTimeModel(instance)
+    except ValueError:
+        return {"skipped": "no performance block: step_time fell back to total"}
+    prev = options.moves.previous
+    solved_s = float(model.step_time_s(evaluate(instance, placement), placement.rank2gpu))
+    prev_s = float(model.step_time_s(evaluate(instance, prev), prev.rank2gpu))
+    mc = count_moves(instance, prev, placement, bytes_per_replica=plan.bytes_per_replica)
+    amortised_s = float(plan.move_cost or 0.0) * mc.move_time_s
+    out: dict = {"solved_predicted_step_time_s": solved_s, "previous_predicted_step_time_s": prev_s,
+                 "amortised_move_time_s": amortised_s}
+    if mc.moved_replicas > 0 and prev_s <= solved_s + amortised_s:
+        out.update(returned="previous placement", predicted_step_time_s=prev_s, fallback_to_default=False,
+                   return_placement=Placement(prev.rank2gpu.copy(), prev.phy2log.copy()))
+    else:
+        out.update(returned="solved", predicted_step_time_s=solved_s, fallback_to_default=False)
+    return out
