@@ -85,7 +85,11 @@ def choose_rank2gpu(
 def _expert_options(options: SolveOptions) -> SolveOptions:
     """The options the expert placer sizes its deterministic work by: the work budget's share left
     after the rank layout (a function of the budget alone, so the result does not depend on the clock)."""
-    if options.layout == "fixed" or options.moves is not None:  # no rank-layout search ran
+    if options.moves is not None:  # no rank-layout search; the move candidates take a share of the work
+        from solvers.experts.moves import SEARCH_SHARE
+
+        return dataclasses.replace(options, work_budget_s=options.resolved_work_budget_s() * SEARCH_SHARE)
+    if options.layout == "fixed":
         return options
     from solvers.layout import LAYOUT_TIME_SHARE
 

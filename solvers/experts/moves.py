@@ -41,15 +41,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.model import Instance, Placement
+from solvers.experts.balance import _improve_by_swaps, rank_load_ratio
 from solvers.experts.problem import LayerProblem, NetSet, group2type_of, net_crossings
 from solvers.experts.tuning import MAX_SWAPS
 from solvers.kernels import NetSwapSearch, lpt_pack
 
-__all__ = ["LayerMoves", "MoveCandidate", "MovePlan", "MoveSwapKernel", "build_move_plan", "keep_previous_slots",
+__all__ = ["MOVE_RESERVE_SHARE", "cheap_frontier", "SEARCH_SHARE", "REBALANCE_SWAPS", "StepCurrency", "build_plan_for", "previous_check", "LayerMoves", "MoveCandidate", "MovePlan", "MoveSwapKernel", "build_move_plan", "keep_previous_slots",
            "move_frontier", "allocate_moves", "LAMBDA_LADDER"]
 
 # Multiples of the solved map's crossings saved per moved (weighted) replica tried as move prices.
-LAMBDA_LADDER = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+LAMBDA_LADDER = (0.25, 1.0, 4.0)
+# Share of the expert placer's work budget its search keeps under a re-placement; the rest is left
+# for the move candidates (swap searches and balancing on every layer, not counted by the budget).
+SEARCH_SHARE = 0.6
+# Share of the expert placer's wall time kept back, under a re-placement, for the cheap candidates
+# (:func:`cheap_frontier`) of layers the deadline leaves unsolved.
+MOVE_RESERVE_SHARE = 0.15
+# Balancing swaps (each moves two experts inside a bin) tried on the cheaper candidates.
+REBALANCE_SWAPS = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class MoveCandidate:
     crossings: int
     cross: int
     nvlink: int
+    load: float = 1.0  # expert load max/mean on the sampled tokens (the evaluator's definition)
 
     @property
     def replicas(self) -> int:
@@ -251,7 +261,30 @@ def _candidate(problem: LayerProblem, lm: LayerMoves, name: str, slots: np.ndarr
     e = np.arange(problem.num_experts)
     crossings = net_crossings(problem.nets_all, problem.slot2class[slots], problem.class_sig, problem.cost_mode)
     return MoveCandidate(name, slots.astype(np.int64), int(crossings), int(lm.cross[e, r].sum()),
-                         int(lm.nvlink[e, r].sum()))
+                         int(lm.nvlink[e, r].sum()), float(rank_load_ratio(problem, slots)))
+
+
+def _rebalanced(problem: LayerProblem, slots: np.ndarray, prev_slots: np.ndarray, max_swaps: int) -> np.ndarray:
+    """``slots`` after up to ``max_swaps`` swaps of two experts of one bin that lower the busiest rank
+    (:mod:`solvers.experts.balance`); experts keep their slot when their rank does not change."""
+    epr = problem.experts_per_rank
+    total = problem.load.sum(axis=1).astype(np.float64)
+    norm = problem.load / np.where(total > 0, total / problem.ep, 1.0)[:, None]
+    e2c = problem.slot2class[slots]
+    bin_of = np.full(problem.num_experts, -1, dtype=np.int64)
+    for bi, (_, experts) in enumerate(_bins(problem, e2c, prev_slots)):
+        bin_of[experts] = bi
+    expert2rank = slots // epr
+    rank_load = np.zeros((problem.num_ep_groups, problem.ep))
+    np.add.at(rank_load.T, expert2rank, norm.T)
+    new_rank = expert2rank.copy()
+    _improve_by_swaps(norm, rank_load, new_rank, bin_of, max_swaps)
+    out = slots.copy()
+    for r in np.unique(new_rank[new_rank != expert2rank]):
+        arrivals = np.sort(np.flatnonzero((new_rank == r) & (expert2rank != r)))
+        vacated = np.sort(slots[(expert2rank == r) & (new_rank != r)])
+        out[arrivals] = vacated
+    return out
 
 
 def _penalised_search(problem: LayerProblem, nets: NetSet, start: np.ndarray, cap: np.ndarray | None,
@@ -289,7 +322,7 @@ def move_frontier(problem: LayerProblem, solved_slots: np.ndarray, lm: LayerMove
     solved_e2c = problem.slot2class[solved_slots]
     add("solved_kept", keep_previous_slots(problem, solved_e2c, prev))
     if problem.trivial or load_tolerance is None:
-        return out
+        return _with_rebalanced(problem, lm, out)
     best = min(out, key=lambda c: c.crossings)
     gain = out[0].crossings - best.crossings
     L = _class_prices(problem, lm)
@@ -304,8 +337,32 @@ def move_frontier(problem: LayerProblem, solved_slots: np.ndarray, lm: LayerMove
         lambdas += [(f"x{f:g}", scale * f) for f in LAMBDA_LADDER]
     for tag, lam in lambdas:
         for origin, start in (("previous", prev_e2c), ("solved", solved_e2c)):
+            if origin == "solved" and tag not in ("price", "x1"):
+                continue
             e2c = _penalised_search(problem, problem.nets_all, start, cap, lam * L)
             add(f"from_{origin}_{tag}", keep_previous_slots(problem, e2c, prev))
+    return _with_rebalanced(problem, lm, out)
+
+
+def cheap_frontier(problem: LayerProblem, lm: LayerMoves) -> list[MoveCandidate]:
+    """The previous map and its rebalanced variants only (no search): for a layer left unsolved."""
+    prev = np.asarray(lm.prev_expert2slot, dtype=np.int64)
+    return _with_rebalanced(problem, lm, [_candidate(problem, lm, "previous", prev)])
+
+
+def _with_rebalanced(problem: LayerProblem, lm: LayerMoves, cands: list[MoveCandidate]) -> list[MoveCandidate]:
+    """``cands`` plus, for each candidate re-slotted around the previous GPUs, its rebalanced variants."""
+    prev = np.asarray(lm.prev_expert2slot, dtype=np.int64)
+    out = list(cands)
+    seen = {c.expert2slot.tobytes() for c in cands}
+    for c in cands:
+        if c.name == "solved":
+            continue
+        for k in REBALANCE_SWAPS:
+            slots = _rebalanced(problem, c.expert2slot, prev, k)
+            if slots.tobytes() not in seen:
+                seen.add(slots.tobytes())
+                out.append(_candidate(problem, lm, f"{c.name}_rebalanced{k}", slots))
     return out
 
 
@@ -331,9 +388,117 @@ def _hull(cands: list[MoveCandidate]) -> list[MoveCandidate]:
     return hull
 
 
+@dataclass(frozen=True)
+class StepCurrency:
+    """Predicted step time as the budget's currency (objective ``step_time`` with a performance block).
+
+    A candidate of layer ``l`` enters :meth:`placement.performance.StepTimeModel.predict` with its
+    own expert load max/mean (exact, sampled tokens) and an all-to-all time of the previous map's
+    (from the evaluator) scaled by its crossings over the previous map's.
+
+    model : the instance's :class:`placement.performance.StepTimeModel`.
+    alltoall_s : (L,) the previous placement's ``alltoall_time_s_per_layer`` (sampled).
+    load : (L,) its ``expert_load_max_over_mean_per_layer`` (sampled).
+    rank2gpu : (world,) the rank layout.
+    """
+
+    model: object
+    alltoall_s: np.ndarray
+    load: np.ndarray
+    rank2gpu: np.ndarray
+
+    def step_s(self, a2a: np.ndarray, load: np.ndarray) -> float:
+        return float(self.model.predict(a2a, load, self.rank2gpu).step_time_s)  # type: ignore[attr-defined]
+
+
+def _pareto(cands: list[MoveCandidate]) -> list[MoveCandidate]:
+    """Candidates no other beats on replicas, load and crossings at once (the previous map first)."""
+    keep = []
+    for i, c in enumerate(cands):
+        dominated = any(
+            (d.replicas <= c.replicas and d.load <= c.load and d.crossings <= c.crossings)
+            and (d.replicas, d.load, d.crossings) != (c.replicas, c.load, c.crossings)
+            for d in cands)
+        if i == 0 or not dominated:
+            keep.append(c)
+    return keep
+
+
+def _allocate_by_step(frontiers: dict[int, list[MoveCandidate]], budget: int,
+                      step: StepCurrency) -> dict[int, MoveCandidate]:
+    """Greedy on predicted step time saved per moved replica, within ``budget`` replicas.
+
+    Lazy: entries ``(layer, candidate)`` wait in a heap with the ratio they had when priced; a popped
+    entry priced before the last change is re-priced and pushed back; a fresh one is taken if it
+    fits.  When the best fresh entry saves nothing, every entry is re-priced once (the slowest stage
+    may have changed); the greedy ends when that saves nothing either.  Candidates are each layer's
+    front on (replicas, load, crossings).  Ties: lower layer, then the candidate's order.
+    """
+    import heapq
+
+    a2a, load = step.alltoall_s.astype(np.float64).copy(), step.load.astype(np.float64).copy()
+    prev_cross = {li: cands[0].crossings for li, cands in frontiers.items()}
+
+    def inputs(li: int, c: MoveCandidate) -> tuple[float, float]:
+        base = step.alltoall_s[li]
+        scaled = base * c.crossings / prev_cross[li] if prev_cross[li] > 0 else base
+        return float(scaled), c.load
+
+    def with_layer(li: int, c: MoveCandidate) -> float:
+        a, lo = a2a.copy(), load.copy()
+        a[li], lo[li] = inputs(li, c)
+        return step.step_s(a, lo)
+
+    fronts = {li: _pareto(cands) for li, cands in frontiers.items()}
+    chosen = {li: cands[0] for li, cands in frontiers.items()}
+    now = step.step_s(a2a, load)
+    left = budget
+    version = 0
+
+    def priced() -> list[tuple[float, int, int, int]]:
+        out = []
+        for li, front in fronts.items():
+            for j, c in enumerate(front):
+                extra = c.replicas - chosen[li].replicas
+                if 0 < extra <= left:
+                    out.append((-(now - with_layer(li, c)) / extra, li, j, version))
+        heapq.heapify(out)
+        return out
+
+    heap = priced()
+    refreshed = True
+    while heap:
+        neg, li, j, ver = heapq.heappop(heap)
+        c = fronts[li][j]
+        extra = c.replicas - chosen[li].replicas
+        if extra <= 0 or extra > left:
+            continue
+        if ver != version:
+            heapq.heappush(heap, (-(now - with_layer(li, c)) / extra, li, j, version))
+            continue
+        if -neg <= 1e-12:
+            if refreshed:
+                break
+            heap, refreshed = priced(), True
+            continue
+        chosen[li] = c
+        a2a[li], load[li] = inputs(li, c)
+        now = step.step_s(a2a, load)
+        left -= extra
+        version += 1
+        refreshed = False
+    return chosen
+
+
 def allocate_moves(frontiers: dict[int, list[MoveCandidate]], plan: MovePlan,
-                   bytes_per_crossing: float) -> dict[int, MoveCandidate]:
-    """Each layer's chosen candidate (module docstring); ``frontiers[l][0]`` is the previous map."""
+                   bytes_per_crossing: float, step: StepCurrency | None = None) -> dict[int, MoveCandidate]:
+    """Each layer's chosen candidate (module docstring); ``frontiers[l][0]`` is the previous map.
+
+    ``step`` (a budget under the ``step_time`` objective): the budget buys predicted step time
+    (:class:`StepCurrency`) instead of crossings.
+    """
+    if plan.max_moved_replicas is not None and step is not None:
+        return _allocate_by_step(frontiers, plan.max_moved_replicas, step)
     if plan.max_moved_replicas is None:
         W = float(plan.move_cost or 0.0)
         out = {}
@@ -344,7 +509,10 @@ def allocate_moves(frontiers: dict[int, list[MoveCandidate]], plan: MovePlan,
                 return c.crossings * bytes_per_crossing + W * (c.cross + w * c.nvlink) * plan.bytes_per_replica
 
             order = {id(c): i for i, c in enumerate(cands)}
-            out[li] = min(cands, key=lambda c: (obj(c), c.replicas, order[id(c)]))
+            if W == 0:  # moves are free: the solved map on ties (its balance), then fewer moves
+                out[li] = min(cands, key=lambda c: (obj(c), c.name != "solved", c.replicas, order[id(c)]))
+            else:
+                out[li] = min(cands, key=lambda c: (obj(c), c.replicas, order[id(c)]))
         return out
     left = plan.max_moved_replicas
     chosen = {li: cands[0] for li, cands in frontiers.items()}

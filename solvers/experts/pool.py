@@ -29,7 +29,7 @@ from solvers.base import SolveOptions
 from solvers.experts.bounds import sum_bounds
 from solvers.experts.budget import LayerBudget, StopCheck, deterministic_budget
 from solvers.experts.layer import LayerOutcome, solve_layer
-from solvers.experts.moves import LayerMoves, MovePlan, allocate_moves, move_frontier
+from solvers.experts.moves import MOVE_RESERVE_SHARE, LayerMoves, MovePlan, allocate_moves, move_frontier
 from solvers.experts.problem import LayerProblem, build_layer_problem
 from solvers.experts.tuning import (
     CLASS_LOAD_TOLERANCE,
@@ -377,6 +377,9 @@ def place_experts(
         if hint_phy2log.shape != (L, E):
             raise InvalidInputError(f"hint_phy2log: expected shape {(L, E)}, found {hint_phy2log.shape}")
     worker = LayerWorker(instance, rank2gpu, gp, validation_fraction, options)  # this process
+    final_deadline = deadline
+    if moves is not None:  # keep time for the cheap candidates of layers the deadline leaves unsolved
+        deadline = t0 + (deadline - t0) * (1.0 - MOVE_RESERVE_SHARE)
     budgets, weight_of, dets, pairs_total = _budgets(instance, worker.layout, options, todo, deadline,
                                                      deterministic_time)
     outcomes: dict[int, LayerOutcome] = {}
@@ -393,7 +396,9 @@ def place_experts(
                        None if moves is None else moves.layers[li]) for li in todo]
     _solve_all(tasks, weight_of, worker, deadline, options,
                pairs_total >= POOL_MIN_PAIRS if use_pool is None else use_pool, finished, outcomes, pool_initializer)
-    moves_summary = None if moves is None else _apply_moves(instance, outcomes, todo, moves)
+    moves_summary = None
+    if moves is not None:
+        moves_summary = _apply_moves(instance, rank2gpu, outcomes, todo, moves, options, worker, final_deadline)
     phy2log, objective_bytes, bpc = _checked_plan(instance, rank2gpu, worker.layout, todo, outcomes)
     bound_bytes = None
     if layers is None or len(todo) == L:
@@ -406,12 +411,38 @@ def place_experts(
     return ExpertPlan(phy2log=phy2log, objective_bytes=objective_bytes, bound_bytes=bound_bytes, details=details)
 
 
-def _apply_moves(instance: Instance, outcomes: dict[int, LayerOutcome], todo: list[int], moves: MovePlan) -> dict:
+def _apply_moves(instance: Instance, rank2gpu: np.ndarray, outcomes: dict[int, LayerOutcome], todo: list[int],
+                 moves: MovePlan, options: SolveOptions, worker: LayerWorker, deadline: float) -> dict:
     """Move-aware re-placement: replace every solved layer's map by the candidate :func:`allocate_moves`
-    chooses (a layer without candidates, left at its fallback map, keeps it); returns the summary."""
+    chooses; returns the summary.  Layers the deadline left unsolved get the cheap candidates (the
+    previous map and its rebalanced variants) while time is left before ``deadline``, else keep
+    their fallback map.  Under a budget with the ``step_time`` objective the budget buys predicted
+    step time."""
+    from solvers.experts.moves import cheap_frontier
+
     bpc = bytes_per_crossing(instance, instance.routing.tokens_per_source)
+    for li in todo:
+        o = outcomes[li]
+        if not o.move_frontier and o.details.get("fallback_reason") and time.monotonic() < deadline \
+                and not options.stop_requested():
+            o.move_frontier = cheap_frontier(worker.problem(li), moves.layers[li])
+            o.crossings = o.move_frontier[0].crossings  # the fallback map is the previous map
+            o.details["objective_crossings"] = o.crossings
     frontiers = {li: outcomes[li].move_frontier for li in todo if outcomes[li].move_frontier}
-    chosen = allocate_moves(frontiers, moves, bpc)
+    step = None
+    if moves.max_moved_replicas is not None and options.objective == "step_time" and instance.performance is not None:
+        from placement.performance import StepTimeModel
+        from solvers.experts.moves import StepCurrency
+
+        E = instance.model.num_experts
+        prev = np.tile(np.arange(E, dtype=np.int64), (instance.model.num_moe_layers, 1))
+        for li, lm in moves.layers.items():
+            prev[li, lm.prev_expert2slot] = np.arange(E)
+        met = evaluate(instance, Placement(rank2gpu, prev), window="sampled")
+        step = StepCurrency(StepTimeModel(instance), np.asarray(met.alltoall_time_s_per_layer, dtype=np.float64),
+                            np.asarray(met.expert_load_max_over_mean_per_layer, dtype=np.float64),
+                            np.asarray(rank2gpu, dtype=np.int64))
+    chosen = allocate_moves(frontiers, moves, bpc, step)
     for li, c in chosen.items():
         o = outcomes[li]
         solved = o.crossings
@@ -429,6 +460,7 @@ def _apply_moves(instance: Instance, outcomes: dict[int, LayerOutcome], todo: li
         o.move_frontier = []
     used = sum(c.replicas for c in chosen.values())
     return {"rule": "max_moved_bytes" if moves.max_moved_replicas is not None else "move_cost",
+            "currency": "predicted_step_time" if step is not None else "crossings",
             "max_moved_replicas": moves.max_moved_replicas, "move_cost": moves.move_cost,
             "bytes_per_replica": moves.bytes_per_replica, "moved_replicas": used,
             "layers_without_candidates": sorted(set(todo) - set(frontiers))}
