@@ -304,6 +304,51 @@ def _penalised_search(problem: LayerProblem, nets: NetSet, start: np.ndarray, ca
     return e2c
 
 
+def _group_path(problem: LayerProblem, nets: NetSet, start: np.ndarray, cap: np.ndarray | None,
+                linear: np.ndarray, max_moves: int) -> list[np.ndarray]:
+    """Group-preserving layers: best-improvement exchanges of the position types of two expert groups
+    on ``crossings + linear`` (each group re-placed inside its new type by the exact assignment on
+    the move deltas, as :class:`solvers.experts.swap.SwapSearch` does), then swaps inside groups;
+    the map after each exchange, in order (a path from ``start`` of growing moves)."""
+    from solvers.kernels import assign_to_counts
+
+    kernel = MoveSwapKernel(
+        nets.experts, problem.class_sig[:, nets.group], nets.src, nets.weight,
+        num_items=problem.num_experts, num_domains=problem.num_domains, cost_mode=problem.cost_mode,
+        load=problem.load, swap_label=problem.expert2group, linear=linear,
+    )
+    _, type_count, _ = problem.position_types
+    gs, P = problem.expert_group_size, problem.num_group_positions
+    e2c = np.array(start, dtype=np.int64)
+    cap_eff = None if cap is None else np.maximum(cap, problem.class_loads(e2c))
+    out: list[np.ndarray] = []
+    for _ in range(max_moves):
+        g2t = group2type_of(problem, e2c)
+        assert g2t is not None  # group-preserving mode
+        kernel.init_state(e2c)
+        best_val, best_map = kernel.total(e2c) - 0.5, None
+        for p in range(P):
+            for q in range(p + 1, P):
+                if g2t[p] == g2t[q]:
+                    continue
+                cand = e2c.copy()
+                for grp, t in ((p, g2t[q]), (q, g2t[p])):
+                    sl = slice(grp * gs, (grp + 1) * gs)
+                    cand[sl], _ = assign_to_counts(kernel.M[sl], type_count[t])
+                if cap_eff is not None and (problem.class_loads(cand) > cap_eff).any():
+                    continue
+                v = kernel.total(cand)
+                if v < best_val:
+                    best_val, best_map = v, cand
+        if best_map is None:
+            break
+        e2c = best_map
+        loads = problem.class_loads(e2c)
+        kernel.run_swaps(e2c, loads, None if cap_eff is None else np.maximum(cap_eff, loads), MAX_SWAPS)
+        out.append(e2c.copy())
+    return out
+
+
 def move_frontier(problem: LayerProblem, solved_slots: np.ndarray, lm: LayerMoves,
                   load_tolerance: float | None) -> list[MoveCandidate]:
     """The layer's candidates (module docstring), the previous map first; duplicates dropped."""
@@ -341,6 +386,11 @@ def move_frontier(problem: LayerProblem, solved_slots: np.ndarray, lm: LayerMove
                 continue
             e2c = _penalised_search(problem, problem.nets_all, start, cap, lam * L)
             add(f"from_{origin}_{tag}", keep_previous_slots(problem, e2c, prev))
+    if problem.group_preserving:  # whole expert groups move between positions: one exchange at a time
+        for tag, lam in [("x0", 0.0)] + [(t, lam) for t, lam in lambdas if t in ("price", "x1")]:
+            for i, e2c in enumerate(_group_path(problem, problem.nets_all, prev_e2c, cap, lam * L,
+                                                problem.num_group_positions)):
+                add(f"group_path_{tag}_{i + 1}", keep_previous_slots(problem, e2c, prev))
     return _with_rebalanced(problem, lm, out)
 
 

@@ -397,8 +397,11 @@ def place_experts(
     _solve_all(tasks, weight_of, worker, deadline, options,
                pairs_total >= POOL_MIN_PAIRS if use_pool is None else use_pool, finished, outcomes, pool_initializer)
     moves_summary = None
-    if moves is not None:
-        moves_summary = _apply_moves(instance, rank2gpu, outcomes, todo, moves, options, worker, final_deadline)
+    if moves is not None:  # the cheap candidates stop early enough to leave time for the allocation
+        cheap_deadline = t0 + (final_deadline - t0) * (1.0 - MOVE_RESERVE_SHARE / 3.0)
+        t_moves = time.monotonic()
+        moves_summary = _apply_moves(instance, rank2gpu, outcomes, todo, moves, options, worker, cheap_deadline)
+        log.info("expert placement: move allocation in %.1f s", time.monotonic() - t_moves)
     phy2log, objective_bytes, bpc = _checked_plan(instance, rank2gpu, worker.layout, todo, outcomes)
     bound_bytes = None
     if layers is None or len(todo) == L:
