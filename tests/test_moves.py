@@ -231,3 +231,18 @@ def test_cli_bad_previous_exits_2(tmp_path, capsys):
                  ["--previous", str(good), "--max-moved-bytes", "lots"],
                  ["--previous", str(good), "--solver", "default"]):
         assert main(["solve", inst, "--time-limit", "10", *argv]) == 2, argv
+
+
+def test_a_prohibitive_move_cost_keeps_the_previous_and_runs_are_deterministic(tiny):
+    rng = np.random.default_rng(5)
+    prev = default_placement(tiny)
+    prev = Placement(prev.rank2gpu, np.stack([rng.permutation(tiny.model.num_experts)
+                                              for _ in range(tiny.model.num_moe_layers)]))
+    r = placement.solve(tiny, time_limit_s=10, num_workers=1, previous=prev, move_cost=1e9, group_preserving=False)
+    assert np.array_equal(r.placement.phy2log, prev.phy2log)
+    runs = [placement.solve(tiny, time_limit_s=10, num_workers=1, previous=prev, group_preserving=False,
+                            max_moved_bytes=0.3 * total_state_bytes(tiny, replica_state_bytes(tiny)))
+            for _ in range(2)]
+    docs = [json.dumps(placement.result_document(tiny, x), sort_keys=True) for x in runs]
+    assert docs[0] == docs[1]
+    assert runs[0].details["moves"]["moved_share"] <= 0.3 + 1e-9
