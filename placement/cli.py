@@ -251,7 +251,12 @@ def _move_arguments(args: argparse.Namespace, instance: Instance) -> dict:
     if args.layout == "optimize":
         raise InvalidInputError("--layout: --previous keeps the previous rank layout (re-placing ranks would move "
                                 "every expert of every moved rank); drop --layout optimize")
-    previous = load_previous(instance, args.previous)
+    if args.previous == "default":  # the default layout with contiguous experts
+        from solvers.default import default_placement
+
+        previous = default_placement(instance)
+    else:
+        previous = load_previous(instance, args.previous)
     sharded = args.optimizer_state == "sharded"
     out: dict = {"previous": previous, "expert_params": args.expert_params, "sharded_optimizer": sharded,
                  "move_cost": args.move_cost}
@@ -448,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--json", action="store_true", help="print the result as JSON")
     mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")
     mv.add_argument("--previous", metavar="OLD.json",
-                    help="re-place against this placement file (same instance shape): keep its rank layout, "
-                         "change expert maps only, report what moves")
+                    help="re-place against this placement file (same instance shape), or 'default': keep its "
+                         "rank layout, change expert maps only, report what moves")
     rule = mv.add_mutually_exclusive_group()
     rule.add_argument("--max-moved-bytes", metavar="B",
                       help="hard budget on the expert state moved (cross-rack plus NVLink), in bytes or as a "

@@ -246,3 +246,12 @@ def test_a_prohibitive_move_cost_keeps_the_previous_and_runs_are_deterministic(t
     docs = [json.dumps(placement.result_document(tiny, x), sort_keys=True) for x in runs]
     assert docs[0] == docs[1]
     assert runs[0].details["moves"]["moved_share"] <= 0.3 + 1e-9
+
+
+def test_cli_previous_default_with_a_zero_budget_writes_the_default_placement(tmp_path, tiny):
+    out = tmp_path / "new.json"
+    assert main(["solve", str(INSTANCES / "tiny.json"), "-o", str(out), "--time-limit", "10", "--workers", "1",
+                 "--previous", "default", "--max-moved-bytes", "0"]) == 0
+    doc = json.loads(out.read_text())
+    want = default_placement(tiny)
+    assert doc["phy2log"] == want.phy2log.tolist() and doc["rank2gpu"] == want.rank2gpu.tolist()
