@@ -281,9 +281,9 @@ def _moves_lines(previous: str, mv: dict) -> list[str]:
     if parts:
         lines.append("  gain per step against the previous placement: " + ", ".join(parts))
     if mv.get("payback_steps") is not None:
-        lines.append(f"  the move pays back in {mv['payback_steps']:.1f} steps (move time / step time gained)")
+        lines.append(f"  the move pays back in {mv['payback_steps']:.3g} steps (move time / step time gained)")
     elif mv.get("payback_steps_bytes") is not None:
-        lines.append(f"  the move pays back in {mv['payback_steps_bytes']:.1f} steps (cross-rack bytes moved / "
+        lines.append(f"  the move pays back in {mv['payback_steps_bytes']:.3g} steps (cross-rack bytes moved / "
                      "cross-domain bytes saved per step)")
     elif mv["moved_replicas"]:
         lines.append("  the move does not pay back: no held-out gain")
