@@ -50,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -371,20 +371,26 @@ class _PartitionWorker:
             self._proc = subprocess.Popen([sys.executable, "-c", code, str(child_sock.fileno())],
                                           pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL)
         self._conn = multiprocessing.connection.Connection(parent_sock.detach())
+        self._sender: threading.Thread | None = None
 
-    def run(self, job: dict, options: SolveOptions, deadline: float) -> tuple[tuple[np.ndarray, dict] | None, bool]:
-        """Send ``job`` (keyword arguments of :func:`partition_layer_starts`), collect its answers.
+    def start(self, job: dict) -> None:
+        """Send ``job`` (keyword arguments of :func:`partition_layer_starts`) without blocking: the
+        job can exceed the socket's buffer, so a thread sends it and the deadline holds even while
+        the child is still starting up."""
+        self._sender = threading.Thread(target=_send_quietly, args=(self._conn, job), name="placement-kahypar-send",
+                                        daemon=True)
+        self._sender.start()
+
+    def wait(self, options: SolveOptions, deadline: float) -> tuple[tuple[np.ndarray, dict] | None, bool]:
+        """Collect the answers of the job :meth:`start` sent, until it completes or the deadline.
 
         Returns
         -------
         best : the last ``(expert2block, facts)`` received, or ``None`` if none arrived in time.
         alive : whether the child finished the call and may be reused (else it was killed).
         """
-        # The job can exceed the socket's buffer: send from a thread so the deadline holds even while
-        # the child is still starting up.
-        sender = threading.Thread(target=_send_quietly, args=(self._conn, job), name="placement-kahypar-send",
-                                  daemon=True)
-        sender.start()
+        sender = self._sender
+        assert sender is not None, "wait() before start()"
         best: tuple[np.ndarray, dict] | None = None
         try:
             while True:
@@ -466,18 +472,30 @@ def _worker_main(fd: int) -> None:
                 conn.send(("error", SolverError(f"Mt-KaHyPar failed: {exc!r}")))
 
 
-def _partition_until(job: dict, options: SolveOptions, deadline: float) -> tuple[np.ndarray, dict] | None:
+_T = TypeVar("_T")
+
+
+def _partition_until(
+    job: dict, options: SolveOptions, deadline: float, meanwhile: Callable[[], _T]
+) -> tuple[tuple[np.ndarray, dict] | None, _T]:
     """The best map :func:`partition_layer_starts` reaches by ``deadline`` (``None``: none), in a
-    child process that is killed at the deadline or on a stop request."""
+    child process that is killed at the deadline or on a stop request, and ``meanwhile()``, which
+    the parent runs while the child works (so that it is not left for after the deadline)."""
     with _IDLE_LOCK:
         worker = _IDLE_WORKERS.pop() if _IDLE_WORKERS else None
     if worker is None:
         worker = _PartitionWorker()
-    best, alive = worker.run(job, options, deadline)
+    worker.start(job)
+    try:
+        extra = meanwhile()
+    except BaseException:
+        worker.kill()
+        raise
+    best, alive = worker.wait(options, deadline)
     if alive:
         with _IDLE_LOCK:
             _IDLE_WORKERS.append(worker)
-    return best
+    return best, extra
 
 
 def kahypar_phy2log(
@@ -512,16 +530,15 @@ def kahypar_phy2log(
         job = {"topk": np.asarray(topk[li]), "src_block": src_block, "capacities": capacities,
                "cost_mode": instance.cost_mode, "initial": contiguous, "seed": options.seed,
                "num_threads": options.num_workers}
-        best = _partition_until(job, options, deadline)
+        # Within-domain balancing: the same as ours (solvers.experts.balance_ranks) on its classes,
+        # which are these blocks under another numbering; its problem is built while the child works.
+        best, problem = _partition_until(job, options, deadline, lambda: build_layer_problem(
+            instance, rank2gpu, li, group_preserving=False, validation_fraction=0.0, layout=layout))
         if best is None or (not best[1]["complete"] and best[1]["start"] == "initial"):
             facts.append({"layer": li, "solved": False, **({"cut": True, **best[1]} if best is not None else {})})
             continue
         e2b, info = best
         complete = info.pop("complete")
-        # Within-domain balancing: the same as ours (solvers.experts.balance_ranks) on its classes,
-        # which are these blocks under another numbering.
-        problem = build_layer_problem(instance, rank2gpu, li, group_preserving=False, validation_fraction=0.0,
-                                      layout=layout)
         node2class = np.empty(len(capacities), dtype=np.int64)
         node2class[rank2node] = problem.rank2class
         if not (node2class[rank2node] == problem.rank2class).all() or len(np.unique(node2class)) != len(node2class):

@@ -315,7 +315,7 @@ def test_kahypar_worker_reraises_the_childs_error(tiny):
     job = _tiny_layer_job(tiny)
     job["initial"] = np.zeros_like(job["initial"])  # every expert in block 0: over its capacity
     with pytest.raises(InvalidInputError, match="initial map exceeds"):
-        solvers.kahypar._partition_until(job, SolveOptions(), time.monotonic() + 60)
+        solvers.kahypar._partition_until(job, SolveOptions(), time.monotonic() + 60, lambda: None)
 
 
 # Wall-clock slack allowed past a tiny limit on the wide instance: killing the child, then balancing
