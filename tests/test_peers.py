@@ -336,10 +336,15 @@ def test_kahypar_honours_a_tiny_time_limit_inside_a_wide_layer():
 
     inst = read_instance(INSTANCES / "real_ep64.json").for_solver()
     num_layers, dp, _, k = inst.routing.topk.shape
-    # real_ep64's shape (EP64 over 4 domains) with 1,400 random tokens per source: ~90k distinct nets
-    # per layer, a 25 s partition per layer on the build machine.
+    # real_ep64's shape (EP64 over 4 domains) with 1,400 random group-limited tokens per source (4 of
+    # 8 groups, 8 of their 32 experts): ~90k distinct nets per layer, 25-60 s per layer on the build
+    # machine.
     rng = np.random.default_rng(0)
-    topk = np.argsort(rng.random((num_layers, dp, 1400, inst.model.num_experts)), axis=-1)[..., :k]
+    m = inst.model
+    gs = m.num_experts // m.num_groups
+    groups = np.argsort(rng.random((num_layers, dp, 1400, m.num_groups)), axis=-1)[..., :m.groups_per_token]
+    pick = np.argsort(rng.random((num_layers, dp, 1400, m.groups_per_token * gs)), axis=-1)[..., :k]
+    topk = np.take_along_axis(groups, pick // gs, axis=-1) * gs + pick % gs
     inst = dataclasses.replace(inst, routing=Routing(topk, None))
     limit_s = 2.0
     t0 = time.monotonic()
