@@ -8,7 +8,9 @@ address=ADDR)`` (the CLI's ``--executor ray [--ray-address ADDR]``) builds it.
 - Cluster: ``address`` given: ``ray.init(address=address)`` joins that cluster (``"auto"``: the
   one this machine belongs to); else a local Ray instance with ``num_cpus`` CPUs (``None``: Ray
   counts them).  If Ray is already initialised in this process, that session is used as it is.
-  ``close()`` shuts Ray down only if this executor started it.
+  ``close()`` shuts Ray down only if this executor started it.  Workers' output is not streamed to
+  this process (``log_to_driver=False``; it stays in Ray's session logs), so the caller's stdout
+  (``--json``) carries only its own output; a task's error comes back as an exception (below).
 - Tasks: ``fn`` must be importable by the workers (a module-level function of an installed
   module: every node needs ``placement`` installed at the same version) and the items picklable.
   Each task asks Ray for one CPU; results are identical to a local run when ``fn`` is
@@ -90,9 +92,9 @@ class RayExecutor:
         self._started = False
         if not ray.is_initialized():
             if address is not None:
-                ray.init(address=address, include_dashboard=False)
+                ray.init(address=address, log_to_driver=False)
             else:
-                ray.init(num_cpus=num_cpus, include_dashboard=False)
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
             self._started = True
         self._remote = ray.remote(num_cpus=1)(_run_task)
         self._closed = False
