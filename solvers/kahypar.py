@@ -63,7 +63,8 @@ from solvers.experts import balance_ranks, build_layer_problem
 from solvers.kernels import keeps_expert_groups
 from solvers.registry import register
 
-__all__ = ["layer_nets", "km1", "partition_layer", "repair_capacities", "kahypar_phy2log", "solve_kahypar"]
+__all__ = ["layer_nets", "km1", "partition_layer", "partition_layer_starts", "repair_capacities", "kahypar_phy2log",
+           "solve_kahypar"]
 
 log = logging.getLogger(__name__)
 
