@@ -25,6 +25,11 @@ from tests.conftest import INSTANCES
 T = TypeVar("T")
 R = TypeVar("R")
 
+# Ray starts some of its processes with a pre-exec hook (a fork followed by exec); with JAX already
+# imported by other test modules, JAX's at-fork hook warns about forking a multithreaded process,
+# which the suite's warnings-as-errors would turn into an error of whichever test starts Ray.
+pytestmark = pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
+
 
 @runtime_checkable
 class ExecutorProtocol(Protocol):
