@@ -37,7 +37,9 @@ Step 2, footprints, jointly with the experts at domain granularity.  A block's *
     budget, so the layout returned at any limit is never worse than either on the estimator.
 Step 3, data-parallel sources (:mod:`.replicas`).  On a straddling block, replicas and experts
     are alternated (replicas to parts by an assignment problem, experts placed again) until neither
-    improves; the moved replicas are kept only if no worse on held-back validation tokens.
+    improves; the moved replicas are kept only if no worse on held-back validation tokens.  Under
+    group-preserving maps whole group positions' replicas move together (across racks too), so
+    the positions' make-ups, and with them the experts' parts, stay realisable.
 Step 4, concrete GPUs.  Each block's parts get whole free trays of their domain first, in tray
     order, so TP/CP groups stay inside a tray; parts are laid out as consecutive EP-rank slices
     (larger parts first), so under ``consumer`` ``deepep``/``hybridep`` (equal shapes only) every

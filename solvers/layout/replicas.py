@@ -4,9 +4,24 @@ The experts and the replicas are *alternated*: with the experts fixed, replicas 
 parts by an assignment problem (``scipy.optimize.linear_sum_assignment``, cost = the replica's
 crossings from each part, summed over the stage's layers); then the experts are placed again;
 until neither improves.  The moved replicas are kept only if they are no worse than the plain
-contiguous order on the validation tokens.  Under group-preserving expert maps a replica moves
-only inside its group position (moving it elsewhere would change which slots of each group lie in
-which domain).
+contiguous order on the validation tokens.
+
+Under group-preserving expert maps an atom (a replica's TP x CP ranks) carries its expert slots
+with it, and a group-preserving map needs each expert group whole on one group position; the
+crossings the assignment counts assume the experts stay in their parts, which such a map can
+still realise only if the *make-up* of the group positions (how many of a position's slots lie in
+each part) is the same multiset as before.  So replicas move in *units* that keep it:
+
+- each atom inside one group position (the usual case): a unit is a position's atoms; a unit may
+  take over another unit's make-up, across parts and racks (an assignment problem over units,
+  each cell of it the best assignment of the unit's atoms onto that make-up), and atoms trade
+  places freely inside their unit;
+- each group position inside one atom (a rank holds whole groups): a unit is an atom, as free;
+- otherwise (atoms and positions overlapping): atoms move only inside their position, atoms that
+  span positions stay (the rule before units existed).
+
+Then a group that sat on position ``u`` goes to the position now holding ``u``'s old make-up, and
+every expert stays in its part.  Free maps: all atoms are one unit.
 """
 
 from __future__ import annotations
@@ -26,19 +41,29 @@ __all__ = ["place_sources", "MAX_SOURCE_ROUNDS"]
 MAX_SOURCE_ROUNDS = 4
 
 
-def _source_cells(block: Block, group_size: int | None, experts_per_rank: int) -> np.ndarray:
-    """(n_atoms,) cell of each atom: atoms may trade places only inside a cell."""
+def _source_units(block: Block, group_size: int | None, experts_per_rank: int) -> tuple[np.ndarray, bool]:
+    """(n_atoms,) unit of each atom, and whether units may trade make-ups (module docstring).
+
+    Atoms trade places freely inside their unit; with the flag, whole units also take over other
+    units' make-ups (the multiset of parts their atoms occupy).
+    """
     n_atoms = block.atoms.shape[0]
-    if group_size is None or block.ep_groups.shape[0] != 1:
-        return np.zeros(n_atoms, dtype=np.int64) if block.ep_groups.shape[0] == 1 else np.arange(n_atoms)
-    eg = block.ep_groups[0]
-    ep_pos = {int(r): k for k, r in enumerate(eg)}
-    ranks_per_position = max(1, group_size // experts_per_rank)
-    cells = []
-    for i, atom in enumerate(block.atoms):
-        positions = {ep_pos[int(r)] // ranks_per_position for r in atom}
-        cells.append(positions.pop() if len(positions) == 1 else -1 - i)
-    return np.array(cells, dtype=np.int64)
+    if block.ep_groups.shape[0] != 1:
+        return np.arange(n_atoms, dtype=np.int64), False
+    if group_size is None:
+        return np.zeros(n_atoms, dtype=np.int64), False
+    ep_pos = {int(r): k for k, r in enumerate(block.ep_groups[0])}
+    # group positions each atom's expert slots touch
+    touched = [
+        {(ep_pos[int(r)] * experts_per_rank + j) // group_size for r in atom for j in range(experts_per_rank)}
+        for atom in block.atoms
+    ]
+    if all(len(t) == 1 for t in touched):
+        return np.array([min(t) for t in touched], dtype=np.int64), True
+    owners = np.bincount([q for t in touched for q in t])
+    if (owners <= 1).all():
+        return np.arange(n_atoms, dtype=np.int64), True
+    return np.array([min(t) if len(t) == 1 else -1 - i for i, t in enumerate(touched)], dtype=np.int64), False
 
 
 def _atom_costs(scorer: BlockScorer, block: Block, placements: LayerPlacements, P: int) -> np.ndarray:
@@ -59,14 +84,32 @@ def _atom_costs(scorer: BlockScorer, block: Block, placements: LayerPlacements, 
     return out
 
 
-def _reassign(cost: np.ndarray, cells: np.ndarray, cur: np.ndarray) -> np.ndarray:
-    """Atoms -> parts by an assignment problem inside each cell (each cell keeps its parts)."""
+def _reassign(cost: np.ndarray, units: np.ndarray, cur: np.ndarray, trade: bool = False) -> np.ndarray:
+    """Atoms -> parts: inside each unit an assignment problem over the unit's parts; with
+    ``trade``, units of equal size also take over each other's make-ups (an assignment problem
+    over units, each entry the inner optimum), kept only where it lowers the cost."""
     new = cur.copy()
-    for c in np.unique(cells):
-        idx = np.flatnonzero(cells == c)
-        slots = np.sort(cur[idx])
-        rows, cols = linear_sum_assignment(cost[idx][:, slots])
-        new[idx[rows]] = slots[cols]
+    members = [np.flatnonzero(units == u) for u in np.unique(units)]
+    by_size: dict[int, list[np.ndarray]] = {}
+    for idx in members:
+        by_size.setdefault(len(idx), []).append(idx)
+    for same in by_size.values():
+        makeups = [np.sort(cur[idx]) for idx in same] if trade else None
+        inner: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
+        for a, idx in enumerate(same):
+            for b in range(len(same)) if makeups is not None else (a,):
+                slots = makeups[b] if makeups is not None else np.sort(cur[idx])
+                rows, cols = linear_sum_assignment(cost[idx][:, slots])
+                inner[a, b] = (idx[rows], slots[cols], float(cost[idx[rows], slots[cols]].sum()))
+        pairs = [(a, a) for a in range(len(same))]
+        if makeups is not None and len(same) > 1:
+            table = np.array([[inner[a, b][2] for b in range(len(same))] for a in range(len(same))])
+            rows, cols = linear_sum_assignment(table)
+            if table[rows, cols].sum() < np.trace(table) - 1e-9:
+                pairs = list(zip(rows.tolist(), cols.tolist()))
+        for a, b in pairs:
+            atoms, parts, _ = inner[a, b]
+            new[atoms] = parts
     return new
 
 
@@ -85,13 +128,13 @@ def place_sources(scorer_fit: BlockScorer, scorer_val: BlockScorer, block: Block
     if block.ep_groups.shape[0] != 1 or a2p.max() == 0:
         return a2p, info
     P = int(a2p.max()) + 1
-    cells = _source_cells(block, scorer_fit.group_size, scorer_fit.experts_per_rank)
+    units, trade = _source_units(block, scorer_fit.group_size, scorer_fit.experts_per_rank)
     base_fit, placements = scorer_fit.score(block, a2p, stop=stop)
     best, best_fit = a2p.copy(), base_fit.total_bytes
     info["fit_before"] = best_fit
     cur, cur_pl = a2p.copy(), placements
     for rnd in range(MAX_SOURCE_ROUNDS):
-        new = _reassign(_atom_costs(scorer_fit, block, cur_pl, P), cells, cur)
+        new = _reassign(_atom_costs(scorer_fit, block, cur_pl, P), units, cur, trade)
         if np.array_equal(new, cur):
             break
         sc, pl = scorer_fit.score(block, new, stop=stop)
