@@ -49,7 +49,7 @@ from placement.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
     from placement.verify import VerifyReport
-    from solvers.base import Consumer, LayoutMode, Objective, SolveResult
+    from solvers.base import Consumer, Fit, LayoutMode, Objective, SolveResult
 
 __all__ = [
     "DEFAULT_SOLVER",
@@ -252,6 +252,7 @@ def solve(
     started_at: float | None = None,
     stop_event: threading.Event | None = None,
     finish_reserve_s: float | None = None,
+    fit: Fit = "robust",
 ) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
 
@@ -279,6 +280,10 @@ def solve(
         placement found so far; ``details["interrupted"]`` is then True.
     finish_reserve_s : seconds kept back for checking and scoring; default
         :func:`estimate_finish_s`.
+    fit : over several time-ordered sampled windows (``routing.window_tokens``), the expert maps'
+        objective: ``robust`` (default) the worst window, ``mean`` their sum, ``latest`` the latest
+        window only; the guard against the default map judges on the latest window.  No effect on
+        an instance with one sampled window.
 
     Returns
     -------
@@ -301,6 +306,10 @@ def solve(
     _check_arguments(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
     )
+    from solvers.base import FITS
+
+    if not isinstance(fit, str) or fit not in FITS:
+        raise InvalidInputError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
     from placement.checker import etp_violations
 
     etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
@@ -321,6 +330,7 @@ def solve(
         deadline=start + time_limit_s - reserve,
         progress=progress,
         stop_event=stop_event,
+        fit=fit,
     )
     try:
         result = fn(instance.for_solver(), options)
@@ -333,6 +343,8 @@ def solve(
         raise SolverError(f"solver {solver!r} returned an invalid placement: {problems[0]}")
     metrics = report(instance, result.placement)
     params = {**result.params, "seed": seed, "time_limit_s": time_limit_s}
+    if instance.routing.num_windows > 1:  # the fit matters only with several sampled windows
+        params["fit"] = fit
     details = dict(result.details)
     if stop_event is not None and stop_event.is_set():
         details["interrupted"] = True
@@ -531,6 +543,7 @@ def import_routing(
     cost_mode: str | None = None,
     heldout_steps: int | None = None,
     max_tokens_per_source: int | None = None,
+    windows: int = 1,
 ) -> Instance:
     """An instance whose routing windows come from a stack's recorded traces.
 
@@ -547,6 +560,8 @@ def import_routing(
         default a quarter of them, at least one.
     max_tokens_per_source : cap on the tokens kept per source and window
         (default :data:`placement.importers.DEFAULT_MAX_TOKENS_PER_SOURCE`).
+    windows : cut the fit steps into this many time-ordered sampled windows
+        (``routing.window_tokens``, what ``solve(fit=...)`` weighs); 1 = one sampled window.
 
     Returns
     -------
@@ -572,6 +587,7 @@ def import_routing(
         cost_mode=cost_mode,
         heldout_steps=heldout_steps,
         max_tokens_per_source=DEFAULT_MAX_TOKENS_PER_SOURCE if max_tokens_per_source is None else max_tokens_per_source,
+        windows=windows,
     )
 
 

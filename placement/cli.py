@@ -172,6 +172,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             started_at=started_at,
             stop_event=stop.event,
             finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
+            fit=args.fit,
         )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
@@ -304,14 +305,20 @@ def _cmd_import(args: argparse.Namespace) -> int:
         cost_mode=args.cost_mode,
         heldout_steps=args.heldout_steps,
         max_tokens_per_source=args.max_tokens_per_source,
+        windows=args.windows,
     )
     save_instance(instance, args.output)
     windows = instance.extra["generator"]["windows"]
     r = instance.routing
     assert r.heldout_topk is not None
+    if "sampled" in windows:  # --windows N > 1
+        fit_text = " + ".join(f"{w['tokens_per_source']} ({len(w['steps'])} steps)" for w in windows["sampled"])
+        fit_text = f"{len(windows['sampled'])} sampled windows of {fit_text} tokens/source"
+    else:
+        fit_text = f"fit {r.topk.shape[2]} tokens/source ({len(windows['fit']['steps'])} steps)"
     print(
         f"{instance.name}: {instance.model.num_moe_layers} MoE layers x {instance.parallel.dp} sources; "
-        f"fit {r.topk.shape[2]} tokens/source ({len(windows['fit']['steps'])} steps), "
+        f"{fit_text}, "
         f"held-out {r.heldout_topk.shape[2]} tokens/source ({len(windows['heldout']['steps'])} steps)"
     )
     print(f"  wrote {args.output} and {Path(args.output).with_suffix('.npz')}")
@@ -391,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "slowest; bottleneck: the slowest stage's all-to-all time")
     so.add_argument("--layout", default="optimize", choices=LAYOUT_MODES,
                     help="optimize the rank -> GPU map, or keep the default one (fixed)")
+    so.add_argument("--fit", default="robust", choices=("robust", "mean", "latest"),
+                    help="instances with several sampled windows (routing.window_tokens): fit the expert maps to the "
+                         "worst window (robust, default), their mean, or the latest only; the guard against the "
+                         "default map judges on the latest window. No effect with one window")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
 
     from placement.export import FORMATS
@@ -417,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="last N steps (forward passes, requests) form the held-out window (default: a quarter)")
     im.add_argument("--max-tokens-per-source", type=int, default=DEFAULT_MAX_TOKENS_PER_SOURCE, metavar="N",
                     help=f"cap on tokens kept per source and window (default {DEFAULT_MAX_TOKENS_PER_SOURCE})")
+    im.add_argument("--windows", type=int, default=1, metavar="N",
+                    help="cut the fit steps into N time-ordered sampled windows, for solve --fit (default 1)")
 
     st = sub.add_parser("stats", help="routing statistics of an instance: what to check before trusting a solve")
     st.add_argument("instance", help="instance JSON file")

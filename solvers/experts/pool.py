@@ -77,6 +77,7 @@ class LayerTask:
     model_groups: int
     class_tolerance: float
     hint_row: np.ndarray | None
+    fit: str = "mean"  # over several sampled windows (solvers.experts.windows); one window: no effect
 
 
 class LayerWorker:
@@ -92,14 +93,14 @@ class LayerWorker:
         self.validation_fraction = validation_fraction
         self.options = options
 
-    def problem(self, layer: int) -> LayerProblem:
+    def problem(self, layer: int, fit: str = "mean") -> LayerProblem:
         return build_layer_problem(self.instance, self.rank2gpu, layer, group_preserving=self.group_preserving,
-                                   validation_fraction=self.validation_fraction, layout=self.layout)
+                                   validation_fraction=self.validation_fraction, layout=self.layout, fit=fit)
 
     def solve(self, task: LayerTask) -> LayerOutcome:
         if StopCheck(task.budget.deadline, self.options)():
             return self.fallback(task.layer, "stopped before the layer started", task.hint_row)
-        return solve_layer(self.problem(task.layer), task.budget, model_groups=task.model_groups,
+        return solve_layer(self.problem(task.layer, task.fit), task.budget, model_groups=task.model_groups,
                            class_tolerance=task.class_tolerance, hint_phy2log=task.hint_row, options=self.options)
 
     def fallback(self, layer: int, reason: str, hint_row: np.ndarray | None = None) -> LayerOutcome:
@@ -377,7 +378,7 @@ def place_experts(
                        f"[{len(outcomes)}/{len(todo)}]")
 
     tasks = [LayerTask(li, budgets[li], model.num_groups, class_tolerance,
-                       None if hint_phy2log is None else hint_phy2log[li]) for li in todo]
+                       None if hint_phy2log is None else hint_phy2log[li], options.fit) for li in todo]
     _solve_all(tasks, weight_of, worker, deadline, options,
                pairs_total >= POOL_MIN_PAIRS if use_pool is None else use_pool, finished, outcomes, pool_initializer)
     phy2log, objective_bytes, bpc = _checked_plan(instance, rank2gpu, worker.layout, todo, outcomes)
@@ -386,5 +387,8 @@ def place_experts(
         bound_bytes = sum_bounds([None if (b := outcomes[li].bound) is None else b * bpc for li in todo])
     details = _plan_details([outcomes[li] for li in todo], bpc, gp=gp, validation_fraction=validation_fraction,
                             class_tolerance=class_tolerance, deterministic_time_total=float(sum(dets)))
+    if instance.routing.num_windows > 1:  # several sampled windows; absent for one (files unchanged)
+        details["fit"] = {"objective": options.fit, "window_tokens": list(instance.routing.window_tokens or ()),
+                          "guard": "latest window" if validation_fraction > 0 else "none"}
     log.info("expert placement: %d layers in %.1f s", len(todo), time.monotonic() - t0)
     return ExpertPlan(phy2log=phy2log, objective_bytes=objective_bytes, bound_bytes=bound_bytes, details=details)
