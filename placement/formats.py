@@ -880,7 +880,8 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
         "routing": {"file": npz_name, "generator": instance.extra.get("generator", {})},
     }
     if instance.routing.window_tokens is not None:  # absent for one window (older files byte for byte)
-        doc["routing"]["window_tokens"] = list(instance.routing.window_tokens)
+        routing_doc: dict = doc["routing"]  # type: ignore[assignment]
+        routing_doc["window_tokens"] = list(instance.routing.window_tokens)
     if instance.performance is not None:
         doc["performance"] = performance_document(instance.performance)
     return doc

@@ -277,7 +277,20 @@ def test_robust_fit_is_no_worse_than_its_start_on_the_worst_window():
         assert worst <= worst_default * (1 + 1e-12)
 
 
-@pytest.mark.parametrize("name", ["tiny", "real_drift"])
+def test_one_window_committed_instance_places_the_same_for_every_fit():
+    """real_drift (one sampled window), no wall-clock deadline (so the load cannot cut a layer): the
+    same maps and the same details for every fit, and no fit entry."""
+    inst = read_instance(INSTANCES / "real_drift.json").for_solver()
+    r2g = default_rank2gpu(inst)
+    plans = [place_experts(inst, r2g, SolveOptions(time_limit_s=10, work_budget_s=2, num_workers=1, fit=fit),
+                           deadline=float("inf"), use_pool=False, layers=[0, 3]) for fit in ("robust", "mean", "latest")]
+    for p in plans[1:]:
+        np.testing.assert_array_equal(p.phy2log, plans[0].phy2log)
+        assert json.dumps(p.details, sort_keys=True) == json.dumps(plans[0].details, sort_keys=True)
+    assert "fit" not in plans[0].details and all("fit" not in d for d in plans[0].details["layers"])
+
+
+@pytest.mark.parametrize("name", ["tiny"])
 def test_one_window_instances_solve_the_same_for_every_fit(tmp_path, name):
     """The fit only weighs several windows: with one, every value writes the same placement file."""
     args = ["solve", str(INSTANCES / f"{name}.json"), "--time-limit", "30", "--workers", "1", "--layout", "fixed"]
@@ -296,3 +309,39 @@ def test_one_window_instances_solve_the_same_for_every_fit(tmp_path, name):
 def test_fit_is_checked():
     with pytest.raises(InvalidInputError, match="fit"):
         placement.solve(read_instance(INSTANCES / "tiny.json"), fit="worst")  # type: ignore[arg-type]
+
+
+# ---- the importers ------------------------------------------------------------------------------
+def test_import_cuts_the_fit_steps_into_time_ordered_windows(tmp_path, capsys):
+    from placement.importers import import_instance
+    from tests.test_importers import _expected, _routing, _sections, _write_megatron
+
+    ids = _routing(np.random.default_rng(7), steps=7, micro=1, tokens=4)
+    paths = _write_megatron(tmp_path / "traces", ids)
+    sec = _sections(tmp_path)
+    one = import_instance("megatron", paths, **sec, heldout_steps=2)
+    three = import_instance("megatron", paths, **sec, heldout_steps=2, windows=3)
+    assert one.routing.window_tokens is None
+    # fit steps 0..4 -> windows [0], [1, 2], [3, 4] (cuts 5*i//3), each its own equalised window
+    assert three.routing.window_tokens == (4, 8, 8)
+    np.testing.assert_array_equal(three.routing.topk, _expected(ids, [0, 1, 2, 3, 4]))
+    np.testing.assert_array_equal(three.routing.topk, one.routing.topk)
+    np.testing.assert_array_equal(three.routing.heldout_topk, _expected(ids, [5, 6]))
+    gen = three.extra["generator"]["windows"]
+    assert [w["steps"] for w in gen["sampled"]] == [[0], [1, 2], [3, 4]] and gen["heldout"]["steps"] == [5, 6]
+    assert "sampled" not in one.extra["generator"]["windows"]
+    # through the CLI: written, read back, solved with every fit
+    out = tmp_path / "w.json"
+    assert main(["import", "--from", "megatron", *paths, "--model", sec["model"], "--parallel", sec["parallel"],
+                 "--cluster", sec["cluster"], "--heldout-steps", "2", "--windows", "3", "-o", str(out)]) == 0
+    assert "3 sampled windows" in capsys.readouterr().out
+    assert read_instance(out).routing.window_tokens == (4, 8, 8)
+    for fit in ("robust", "mean", "latest"):
+        assert main(["solve", str(out), "--time-limit", "20", "--workers", "1", "--fit", fit,
+                     "-o", str(tmp_path / f"p_{fit}.json")]) == 0
+        assert json.loads((tmp_path / f"p_{fit}.json").read_text())["params"]["fit"] == fit
+        assert main(["verify", str(out), str(tmp_path / f"p_{fit}.json")]) == 0
+    with pytest.raises(InvalidInputError, match="--windows"):
+        import_instance("megatron", paths, **sec, heldout_steps=2, windows=6)
+    with pytest.raises(InvalidInputError, match="--windows"):
+        import_instance("megatron", paths, **sec, windows=0)

@@ -358,7 +358,7 @@ def build_routing(
         window_tokens = tuple(int(arrays[f"fit{w}"].shape[2]) for w in range(n_win))
         arrays["fit"] = np.concatenate([arrays.pop(f"fit{w}") for w in range(n_win)], axis=2)
         sampled_windows = [prov_windows.pop(f"fit{w}") for w in range(n_win)]
-        prov_windows = {"sampled": sampled_windows, **prov_windows}
+        prov_windows = {"sampled": sampled_windows, **prov_windows}  # type: ignore[dict-item]
     provenance = {
         "windows": prov_windows,
         "router_calls": n_calls,
