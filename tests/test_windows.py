@@ -199,6 +199,8 @@ def test_window_split_fit_on_earlier_windows_guard_on_the_latest():
     assert latest.nets_refit is not None and latest.nets_refit.num_tokens == 3 * dp
     assert latest.nets_all.num_tokens == 12 * dp
     assert latest.nets_fit.num_tokens + latest.nets_val.num_tokens == 3 * dp
+    k = inst.model.top_k
+    assert latest.load.sum() == 3 * dp * k and mean.load.sum() == robust.load.sum() == 12 * dp * k
 
 
 # ---- the guard and old instances ----------------------------------------------------------------

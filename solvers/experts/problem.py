@@ -81,7 +81,7 @@ class LayerProblem:
     class_sig : (C, G) local domain of class ``c`` in EP group ``g``.
     class_capacity : (C,) expert slots of each class.
     load : (G, E) int64 (token, expert) pairs from EP group ``g``'s sources on expert ``e`` (all
-        sampled tokens).
+        sampled tokens; with ``fit="latest"`` and several windows, the latest window's).
     bytes_per_crossing : fabric bytes per step of one crossing of one sampled token.
     nets_fit, nets_val, nets_all : the fit part, the validation part (empty if no split) and all
         sampled tokens, aggregated.
@@ -253,13 +253,14 @@ def build_layer_problem(
     if (src_dom < 0).any():  # pragma: no cover - sources are ranks of the stage's EP groups
         raise SolverError(f"layer {layer}: a source GPU lies outside its stage's EP groups")
     G = class_sig.shape[1]
+    # -- several sampled windows (solvers.experts.windows): ``latest`` balances the latest alone --
+    bounds_w = instance.routing.window_bounds()
+    lo, hi = bounds_w[-1] if fit == "latest" else (0, T)
     load = np.zeros((G, model.num_experts), dtype=np.int64)
     for g in range(G):
-        sel = src_group == g
-        load[g] = np.bincount(topk[sel].reshape(-1), minlength=model.num_experts)
+        sel = src_group[:, lo:hi] == g
+        load[g] = np.bincount(topk[:, lo:hi][sel].reshape(-1), minlength=model.num_experts)
     trivial = class_sig.shape[0] == 1
-    # -- several sampled windows: the split of solvers.experts.windows (one window: as before) --
-    bounds_w = instance.routing.window_bounds()
     extra: dict = {}
     if len(bounds_w) >= 2 and not trivial:
         from solvers.experts.windows import window_parts

@@ -10,7 +10,8 @@ expert map is fitted to them (one window: all three are today's fit, byte for by
     minimise the crossings summed over the windows (each token counts once: the mean when the
     windows have equal sizes);
 ``latest``
-    fit the latest window only, split by index as a single window is (3/4 fit, 1/4 validation).
+    fit the latest window only, split by index as a single window is (3/4 fit, 1/4 validation),
+    its loads for the caps and the balancing.
 
 The guard (``solvers.experts.layer``, step 3) then judges against the default map on the **latest**
 window, held out from the fit: with ``robust`` and ``mean`` the fit part is every window but the
