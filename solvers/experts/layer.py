@@ -323,7 +323,7 @@ def solve_layer(
                                                    budget.deterministic_time - det_fit, details)
     else:
         order = list(candidates)
-        winner = min(order, key=lambda n: (table[n]["all"], order.index(n)))
+        winner = min(order, key=lambda n: (search.objective(candidates[n], "all"), order.index(n)))
         final_name, final, bound, proved = winner, candidates[winner], bound_fit, proved_fit
         details["validation_winner"] = winner
     details["runs"] = search.runs
