@@ -208,6 +208,10 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     print(f"{instance.name}: solver {result.solver}, status {result.status}, {result.wall_s:.1f} s wall")
     if result.bound_bytes is not None:
         print(f"  objective {_gb(result.objective_bytes)}, bound {_gb(result.bound_bytes)}, gap {100 * (result.gap or 0):.1f}%")
+    if instance.routing.num_windows > 1:  # several sampled windows: say how the expert maps used them
+        print(f"  expert fit {args.fit} over {instance.routing.num_windows} sampled windows "
+              f"({' + '.join(str(t) for t in instance.routing.window_tokens or ())} tokens/source), "
+              "guard on the latest; 'sampled' below = all windows")
     print(f"  {'per optimizer step':<38}{'default':>16}{'solved':>16}{'ratio':>8}")
     for label, key, fmt in [
         ("cross-domain bytes (sampled)", "cross_domain_bytes_per_step", _gb),
