@@ -49,7 +49,7 @@ from placement.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
     from placement.verify import VerifyReport
-    from solvers.base import Consumer, LayoutMode, Objective, SolveResult
+    from solvers.base import Consumer, Fit, LayoutMode, Objective, SolveResult
 
 __all__ = [
     "DEFAULT_SOLVER",
@@ -257,6 +257,7 @@ def solve(
     move_cost: float | None = None,
     expert_params: int | None = None,
     sharded_optimizer: bool = True,
+    fit: Fit = "robust",
 ) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
 
@@ -296,6 +297,10 @@ def solve(
     expert_params : parameters per routed expert (default: from the ``performance`` block).
     sharded_optimizer : the optimizer state is sharded over each expert's replicas (Megatron's
         distributed optimizer); False: every replica holds it whole.
+    fit : over several time-ordered sampled windows (``routing.window_tokens``), the expert maps'
+        objective: ``robust`` (default) the worst window, ``mean`` their sum, ``latest`` the latest
+        window only; the guard against the default map judges on the latest window.  No effect on
+        an instance with one sampled window.
 
     Returns
     -------
@@ -318,6 +323,10 @@ def solve(
     _check_arguments(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
     )
+    from solvers.base import FITS
+
+    if not isinstance(fit, str) or fit not in FITS:
+        raise InvalidInputError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
     from placement.checker import etp_violations
 
     etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
@@ -344,6 +353,7 @@ def solve(
         progress=progress,
         stop_event=stop_event,
         moves=move_request,
+        fit=fit,
     )
     try:
         result = fn(instance.for_solver(), options)
@@ -356,6 +366,8 @@ def solve(
         raise SolverError(f"solver {solver!r} returned an invalid placement: {problems[0]}")
     metrics = report(instance, result.placement)
     params = {**result.params, "seed": seed, "time_limit_s": time_limit_s}
+    if instance.routing.num_windows > 1:  # the fit matters only with several sampled windows
+        params["fit"] = fit
     details = dict(result.details)
     if stop_event is not None and stop_event.is_set():
         details["interrupted"] = True
@@ -588,6 +600,7 @@ def import_routing(
     cost_mode: str | None = None,
     heldout_steps: int | None = None,
     max_tokens_per_source: int | None = None,
+    windows: int = 1,
 ) -> Instance:
     """An instance whose routing windows come from a stack's recorded traces.
 
@@ -604,6 +617,8 @@ def import_routing(
         default a quarter of them, at least one.
     max_tokens_per_source : cap on the tokens kept per source and window
         (default :data:`placement.importers.DEFAULT_MAX_TOKENS_PER_SOURCE`).
+    windows : cut the fit steps into this many time-ordered sampled windows
+        (``routing.window_tokens``, what ``solve(fit=...)`` weighs); 1 = one sampled window.
 
     Returns
     -------
@@ -629,6 +644,7 @@ def import_routing(
         cost_mode=cost_mode,
         heldout_steps=heldout_steps,
         max_tokens_per_source=DEFAULT_MAX_TOKENS_PER_SOURCE if max_tokens_per_source is None else max_tokens_per_source,
+        windows=windows,
     )
 
 

@@ -174,6 +174,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             stop_event=stop.event,
             finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
             **moves_kwargs,
+            fit=args.fit,
         )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
@@ -211,6 +212,10 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     print(f"{instance.name}: solver {result.solver}, status {result.status}, {result.wall_s:.1f} s wall")
     if result.bound_bytes is not None:
         print(f"  objective {_gb(result.objective_bytes)}, bound {_gb(result.bound_bytes)}, gap {100 * (result.gap or 0):.1f}%")
+    if instance.routing.num_windows > 1:  # several sampled windows: say how the expert maps used them
+        print(f"  expert fit {args.fit} over {instance.routing.num_windows} sampled windows "
+              f"({' + '.join(str(t) for t in instance.routing.window_tokens or ())} tokens/source), "
+              "guard on the latest; 'sampled' below = all windows")
     print(f"  {'per optimizer step':<38}{'default':>16}{'solved':>16}{'ratio':>8}")
     for label, key, fmt in [
         ("cross-domain bytes (sampled)", "cross_domain_bytes_per_step", _gb),
@@ -362,14 +367,20 @@ def _cmd_import(args: argparse.Namespace) -> int:
         cost_mode=args.cost_mode,
         heldout_steps=args.heldout_steps,
         max_tokens_per_source=args.max_tokens_per_source,
+        windows=args.windows,
     )
     save_instance(instance, args.output)
     windows = instance.extra["generator"]["windows"]
     r = instance.routing
     assert r.heldout_topk is not None
+    if "sampled" in windows:  # --windows N > 1
+        fit_text = " + ".join(f"{w['tokens_per_source']} ({len(w['steps'])} steps)" for w in windows["sampled"])
+        fit_text = f"{len(windows['sampled'])} sampled windows of {fit_text} tokens/source"
+    else:
+        fit_text = f"fit {r.topk.shape[2]} tokens/source ({len(windows['fit']['steps'])} steps)"
     print(
         f"{instance.name}: {instance.model.num_moe_layers} MoE layers x {instance.parallel.dp} sources; "
-        f"fit {r.topk.shape[2]} tokens/source ({len(windows['fit']['steps'])} steps), "
+        f"{fit_text}, "
         f"held-out {r.heldout_topk.shape[2]} tokens/source ({len(windows['heldout']['steps'])} steps)"
     )
     print(f"  wrote {args.output} and {Path(args.output).with_suffix('.npz')}")
@@ -450,6 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--layout", default=None, choices=LAYOUT_MODES,
                     help="optimize the rank -> GPU map (default), or keep the default one (fixed); with "
                          "--previous the previous rank layout is kept")
+    so.add_argument("--fit", default="robust", choices=("robust", "mean", "latest"),
+                    help="instances with several sampled windows (routing.window_tokens): fit the expert maps to the "
+                         "worst window (robust, default), their mean, or the latest only; the guard against the "
+                         "default map judges on the latest window. No effect with one window")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
     mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")
     mv.add_argument("--previous", metavar="OLD.json",
@@ -492,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="last N steps (forward passes, requests) form the held-out window (default: a quarter)")
     im.add_argument("--max-tokens-per-source", type=int, default=DEFAULT_MAX_TOKENS_PER_SOURCE, metavar="N",
                     help=f"cap on tokens kept per source and window (default {DEFAULT_MAX_TOKENS_PER_SOURCE})")
+    im.add_argument("--windows", type=int, default=1, metavar="N",
+                    help="cut the fit steps into N time-ordered sampled windows, for solve --fit (default 1)")
 
     st = sub.add_parser("stats", help="routing statistics of an instance: what to check before trusting a solve")
     st.add_argument("instance", help="instance JSON file")

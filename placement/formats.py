@@ -191,8 +191,15 @@ INSTANCE_SPEC = Obj(
             {
                 "file": Str("Path of the .npz, relative to the instance's folder."),
                 "generator": Any_("Provenance: the generator and its parameters."),
+                "window_tokens": List(
+                    "Optional: topk holds several time-ordered sampled windows, oldest first, one after "
+                    "another along the token axis; the tokens per source of each (at least 2, summing to "
+                    "topk's tokens per source). Absent: one sampled window.",
+                    Int("Tokens per source of one window.", 1),
+                    2,
+                ),
             },
-            optional=frozenset({"generator"}),
+            optional=frozenset({"generator", "window_tokens"}),
         ),
         "performance": Obj(
             "Optional: what the predicted step time and TFLOP/s per GPU need (placement.performance).",
@@ -726,6 +733,17 @@ def _check_topk(where: Path, field: str, a: np.ndarray, doc: dict) -> np.ndarray
     return a.astype(np.uint16 if E <= 65535 else np.int64)
 
 
+def _window_tokens(where: Path, doc: dict, topk: np.ndarray) -> tuple[int, ...] | None:
+    """``routing.window_tokens`` checked against ``topk`` (None when absent: one sampled window)."""
+    wt = doc["routing"].get("window_tokens")
+    if wt is None:
+        return None
+    if sum(wt) != topk.shape[2]:
+        raise _fail(where, "routing.window_tokens",
+                    f"the windows' {sum(wt)} tokens per source differ from topk's {topk.shape[2]}")
+    return tuple(int(t) for t in wt)
+
+
 def read_instance(path: str | os.PathLike) -> Instance:
     """Read and validate an instance file and its routing ``.npz``.
 
@@ -742,6 +760,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
     arrays, npz_raw = _load_npz(where, npz_path, doc)
     topk = _check_topk(where, "topk", arrays["topk"], doc)
     held = _check_topk(where, "heldout_topk", arrays["heldout_topk"], doc)
+    window_tokens = _window_tokens(where, doc, topk)
 
     m, p, c = doc["model"], doc["parallel"], doc["cluster"]
     model = MoEModel(
@@ -792,7 +811,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
         model=model,
         parallel=parallel,
         cluster=cluster,
-        routing=Routing(topk, held),
+        routing=Routing(topk, held, window_tokens),
         cost_mode=doc["cost_mode"],
         description=doc.get("description", ""),
         sha256=digest,
@@ -860,6 +879,9 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
         },
         "routing": {"file": npz_name, "generator": instance.extra.get("generator", {})},
     }
+    if instance.routing.window_tokens is not None:  # absent for one window (older files byte for byte)
+        routing_doc: dict = doc["routing"]  # type: ignore[assignment]
+        routing_doc["window_tokens"] = list(instance.routing.window_tokens)
     if instance.performance is not None:
         doc["performance"] = performance_document(instance.performance)
     return doc

@@ -354,19 +354,45 @@ class Routing:
     ``topk``: (num_moe_layers, dp, tokens_per_source, top_k) expert ids of the sampled tokens of
     each data-parallel rank (the fit window).  ``heldout_topk``: the same shape over a later window,
     for scoring only (no solver reads it); ``None`` in the view handed to solvers.
+
+    ``window_tokens``: ``None`` (one sampled window), or the tokens per source of each of several
+    time-ordered sampled windows, oldest first, summing to ``tokens_per_source``: window ``w`` is
+    ``topk[:, :, a_w : a_w + window_tokens[w]]`` (:meth:`window_bounds`).  Everything that reads
+    ``topk`` as one window sees the windows' union; the expert fit (``SolveOptions.fit``) reads them
+    one by one.
     """
 
     topk: np.ndarray
     heldout_topk: np.ndarray | None
+    window_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "topk", _frozen(self.topk))
         if self.heldout_topk is not None:
             object.__setattr__(self, "heldout_topk", _frozen(self.heldout_topk))
+        if self.window_tokens is not None:
+            wt = tuple(int(t) for t in self.window_tokens)
+            if len(wt) < 2 or min(wt) < 1 or sum(wt) != self.topk.shape[2]:
+                raise InvalidInputError(
+                    f"routing.window_tokens: expected at least 2 positive counts summing to the "
+                    f"{self.topk.shape[2]} sampled tokens per source, found {list(wt)}"
+                )
+            object.__setattr__(self, "window_tokens", wt)
 
     @property
     def tokens_per_source(self) -> int:
         return int(self.topk.shape[2])
+
+    @property
+    def num_windows(self) -> int:
+        """Sampled windows (1 when ``window_tokens`` is None)."""
+        return 1 if self.window_tokens is None else len(self.window_tokens)
+
+    def window_bounds(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` token range of each sampled window along ``topk``'s axis 2, oldest first."""
+        counts = (self.tokens_per_source,) if self.window_tokens is None else self.window_tokens
+        ends = np.cumsum((0,) + tuple(counts))
+        return [(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +423,7 @@ class Instance:
 
     def for_solver(self) -> Instance:
         """The view a solver gets: identical, but without the held-out window."""
-        return replace(self, routing=Routing(self.routing.topk, None))
+        return replace(self, routing=Routing(self.routing.topk, None, self.routing.window_tokens))
 
     def with_cost_mode(self, cost_mode: CostMode) -> Instance:
         return replace(self, cost_mode=cost_mode)

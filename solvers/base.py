@@ -31,6 +31,8 @@ __all__ = [
     "OBJECTIVES",
     "LayoutMode",
     "LAYOUT_MODES",
+    "Fit",
+    "FITS",
     "SolveOptions",
     "SolveResult",
     "Solver",
@@ -45,6 +47,8 @@ Objective = Literal["step_time", "total", "bottleneck"]
 OBJECTIVES: tuple[Objective, ...] = ("step_time", "total", "bottleneck")
 LayoutMode = Literal["optimize", "fixed"]
 LAYOUT_MODES: tuple[LayoutMode, ...] = ("optimize", "fixed")
+Fit = Literal["robust", "mean", "latest"]
+FITS: tuple[Fit, ...] = ("robust", "mean", "latest")
 
 
 def _cgroup_cpu_limit() -> int | None:
@@ -99,6 +103,10 @@ class SolveOptions:
         it on SIGINT/SIGTERM); solvers poll :meth:`should_stop`, which also covers the deadline.
     moves : a move-aware re-placement (:class:`placement.moves.MoveRequest`: the previous placement,
         a moved-bytes budget or a move cost); only ``cpsat`` reads it.
+    fit : how the expert maps weigh several time-ordered sampled windows (``routing.window_tokens``):
+        ``robust`` the worst window, ``mean`` their sum, ``latest`` the latest only; the guard
+        against the default judges on the latest window (:mod:`solvers.experts.windows`).  With one
+        sampled window every value gives the same placement.
     """
 
     time_limit_s: float = 60.0
@@ -113,6 +121,7 @@ class SolveOptions:
     progress: Callable[[str], None] | None = None
     stop_event: threading.Event | None = field(default=None, compare=False)
     moves: MoveRequest | None = field(default=None, compare=False)
+    fit: Fit = "robust"
 
     def resolved_deadline(self) -> float:
         return self.deadline if self.deadline is not None else time.monotonic() + self.time_limit_s

@@ -17,7 +17,7 @@ from placement import stats
 from solvers.default import default_placement
 from tests.conftest import INSTANCES, ROOT
 
-REAL = ["real_ep64", "real_ep64_c10", "real_ep64_c50", "real_drift", "real_pp_frag"]
+REAL = ["real_ep64", "real_ep64_c10", "real_ep64_c50", "real_drift", "real_robust", "real_pp_frag"]
 
 
 # ------------------------------------------------------------------ the router (torch)

@@ -153,6 +153,7 @@ def import_instance(
     cost_mode: str | None = None,
     heldout_steps: int | None = None,
     max_tokens_per_source: int = core.DEFAULT_MAX_TOKENS_PER_SOURCE,
+    windows: int = 1,
 ) -> Instance:
     """An instance whose routing windows come from recorded traces.
 
@@ -166,6 +167,8 @@ def import_instance(
     name, cost_mode : default: the base's, else ``imported`` and ``per_domain``.
     heldout_steps : steps (forward passes, requests) in the held-out window; default a quarter.
     max_tokens_per_source : cap on the tokens kept per source and window.
+    windows : cut the fit steps into this many time-ordered sampled windows (``routing.window_tokens``,
+        for ``placement solve --fit``); 1 = one sampled window.
 
     Raises
     ------
@@ -178,6 +181,8 @@ def import_instance(
         raise InvalidInputError("TRACES: expected at least one trace file")
     if max_tokens_per_source < 1:
         raise InvalidInputError(f"--max-tokens-per-source: expected a positive integer, found {max_tokens_per_source}")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise InvalidInputError(f"--windows: expected a positive integer, found {windows!r}")
     doc = read_sections(base=base, model=model, parallel=parallel, cluster=cluster)
     name = name if name is not None else str(doc.get("name", "imported"))
     cost_mode = cost_mode if cost_mode is not None else str(doc.get("cost_mode", "per_domain"))
@@ -191,6 +196,7 @@ def import_instance(
         heldout_steps=heldout_steps,
         max_tokens_per_source=max_tokens_per_source,
         aligned_steps=source in ("megatron", "torchtitan"),
+        windows=windows,
     )
     result = core.build_routing(
         _calls(source, traces, skeleton), skeleton.model, skeleton.parallel, options, label=f"--from {source} traces"

@@ -20,8 +20,9 @@ limits), drop padding and map physical to logical ids; :func:`build_routing` the
    training traces, that every source recorded the same steps;
 4. splits the steps in time: the first steps are the fit window (``topk``, what solvers see) and the
    last ``heldout_steps`` steps (default: a quarter, at least one) the held-out window, never by
-   shuffling tokens;
-5. equalises tokens per source: in each window every source keeps the same number of tokens, the
+   shuffling tokens; with ``windows = N > 1`` the fit steps are cut into ``N`` runs of consecutive
+   steps (as equal as possible, oldest first), each its own sampled window (``routing.window_tokens``);
+5. equalises tokens per source: in each window (each sampled window) every source keeps the same number of tokens, the
    smallest number any source recorded there (capped by ``max_tokens_per_source``), taken evenly
    spaced over the source's token stream (the same positions at every layer), so that no source
    is over-represented and a window spans all its steps.
@@ -84,6 +85,8 @@ class ImportOptions:
     heldout_steps: int | None = None
     max_tokens_per_source: int = DEFAULT_MAX_TOKENS_PER_SOURCE
     aligned_steps: bool = True  # every source recorded the same steps (training); False: per source
+    #: time-ordered sampled windows the fit steps are cut into (``routing.window_tokens``); 1 = one
+    windows: int = 1
 
 
 @dataclass(frozen=True)
@@ -307,9 +310,22 @@ def build_routing(
             )
         windows_of[d] = {"fit": steps[: len(steps) - held_n], "heldout": steps[len(steps) - held_n :]}
 
+    n_win = int(options.windows)
+    if n_win > 1:  # cut every source's fit steps into n_win consecutive runs (time order kept)
+        for d in sources:
+            fit_steps = windows_of[d]["fit"]
+            if len(fit_steps) < n_win:
+                raise InvalidInputError(
+                    f"--windows: {n_win} sampled windows need at least {n_win} fit steps, but data-parallel "
+                    f"rank {d} has {len(fit_steps)} (the others are held out)"
+                )
+            cuts = [len(fit_steps) * i // n_win for i in range(n_win + 1)]
+            for w in range(n_win):
+                windows_of[d][f"fit{w}"] = fit_steps[cuts[w] : cuts[w + 1]]
+    names = ["fit", "heldout"] if n_win <= 1 else [f"fit{w}" for w in range(n_win)] + ["heldout"]
     arrays: dict[str, np.ndarray] = {}
     prov_windows: dict[str, dict] = {}
-    for name in ("fit", "heldout"):
+    for name in names:
         avail = [sum(tokens[(d, st)] for st in windows_of[d][name]) for d in range(parallel.dp)]
         keep = min(min(avail), options.max_tokens_per_source)
         if keep < 1:
@@ -337,6 +353,12 @@ def build_routing(
             "tokens_per_source": int(keep),
             "tokens_recorded_per_source": [int(a) for a in avail],
         }
+    window_tokens: tuple[int, ...] | None = None
+    if n_win > 1:
+        window_tokens = tuple(int(arrays[f"fit{w}"].shape[2]) for w in range(n_win))
+        arrays["fit"] = np.concatenate([arrays.pop(f"fit{w}") for w in range(n_win)], axis=2)
+        sampled_windows = [prov_windows.pop(f"fit{w}") for w in range(n_win)]
+        prov_windows = {"sampled": sampled_windows, **prov_windows}  # type: ignore[dict-item]
     provenance = {
         "windows": prov_windows,
         "router_calls": n_calls,
@@ -344,7 +366,10 @@ def build_routing(
         "split": "by step: fit = earlier steps, heldout = the last steps",
         "equalise": "per window, every source keeps the smallest source's token count (capped), evenly spaced",
     }
-    return ImportResult(Routing(arrays["fit"], arrays["heldout"]), provenance)
+    if n_win > 1:
+        provenance["split"] = (f"by step: {n_win} sampled windows of consecutive earlier steps, oldest first, "
+                               "heldout = the last steps")
+    return ImportResult(Routing(arrays["fit"], arrays["heldout"], window_tokens), provenance)
 
 
 def _gather(

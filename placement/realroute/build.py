@@ -13,13 +13,16 @@ instance               contents
 ``real_ep64_c50``      at 10 % (50 %) of training: with ``real_ep64`` a time-ordered series
 ``real_drift``         the same shape: sampled = window 0 at 10 % of training, held-out = window 1
                        of the final checkpoint (fit early, run late)
+``real_robust``        the same shape, two time-ordered sampled windows (``routing.window_tokens``):
+                       window 0 at 10 % and at 50 % of training; held-out = window 1 of the final
+                       checkpoint (:func:`assemble_robust` writes it from the committed files)
 ``real_pp_frag``       fragmented racks and pipeline parallelism: TP1 CP1 PP2 EP32 DP64 (128
                        ranks) on 3 NVL72 racks with 20 trays down unevenly (136 GPUs free)
 =====================  ===========================================================================
 
 Each checkpoint's windows are stored as a whole instance (``real_ep64_c10``, ``real_ep64_c50``,
-``real_ep64``): a multi-window fit reads the ``topk`` of each, in the order of
-``routing.generator.checkpoint_step``; ``routing.generator.series`` lists them.
+``real_ep64``); ``routing.generator.series`` lists them in time order, and ``real_robust`` holds
+the first two's sampled windows as one instance's time-ordered windows.
 """
 
 from __future__ import annotations
@@ -46,10 +49,13 @@ from placement.realroute.record import TrainConfig, WindowSpec, draw_window, rec
 if TYPE_CHECKING:
     from placement.realroute.moe import MoEConfig
 
-__all__ = ["LayoutSpec", "EP64", "PP_FRAG", "build_all", "SERIES"]
+__all__ = ["LayoutSpec", "EP64", "PP_FRAG", "build_all", "SERIES", "ROBUST_SERIES", "windows_instance",
+           "robust_instance", "assemble_robust"]
 
 HIDDEN_SIZE = 7168  # DeepSeek-V3, for the byte sizes only
 SERIES = ("real_ep64_c10", "real_ep64_c50", "real_ep64")
+#: ``real_robust``: the sampled windows of the 10 % and 50 % checkpoints, held-out from the final model.
+ROBUST_SERIES = ("real_ep64_c10", "real_ep64_c50")
 
 
 @dataclass(frozen=True)
@@ -185,11 +191,13 @@ def build_all(
         return seq0, seq1[:, :HELDOUT_SEQUENCES], kinds0, kinds1[:, :HELDOUT_SEQUENCES]
 
     written: list[Path] = []
+    emitted: dict[str, Instance] = {}
 
     def emit(inst: Instance) -> None:
         path = outdir / f"{inst.name}.json"
         write_instance(inst, path)
         written.append(path)
+        emitted[inst.name] = inst
         log(f"wrote {path} and {path.with_suffix('.npz').name}")
 
     # Wide EP: the same bytes routed by every checkpoint.
@@ -214,6 +222,8 @@ def build_all(
                 {**base, **shape_doc, "checkpoint_step": step, "heldout_checkpoint_step": step, "series": list(SERIES)},
             )
         )
+    # Two time-ordered sampled windows (10 %, 50 %), held-out from the final model (for --fit).
+    emit(robust_instance([emitted[n] for n in ROBUST_SERIES], emitted[SERIES[-1]]))
     emit(
         _instance(
             "real_drift",
@@ -254,3 +264,74 @@ def build_all(
         )
     )
     return written
+
+
+def windows_instance(name: str, description: str, sampled: list[Instance], heldout: Instance) -> Instance:
+    """One instance with several time-ordered sampled windows, oldest first.
+
+    ``sampled``: instances of one shape whose ``topk`` become the windows (``routing.window_tokens``);
+    ``heldout``: the instance whose ``heldout_topk`` scores it.  The first instance gives model,
+    layout and cluster; every other must have the same (checked).
+    """
+    first = sampled[0]
+    for inst in [*sampled[1:], heldout]:
+        if (inst.model, inst.parallel, inst.cost_mode) != (first.model, first.parallel, first.cost_mode) or not (
+            np.array_equal(inst.cluster.available, first.cluster.available)
+        ):
+            raise ValueError(f"{inst.name}: not the shape of {first.name}")
+    assert heldout.routing.heldout_topk is not None
+    topk = np.concatenate([np.asarray(i.routing.topk) for i in sampled], axis=2)
+    counts = tuple(int(i.routing.topk.shape[2]) for i in sampled)
+    gen = dict(first.extra.get("generator", {}))
+    gen.update(
+        {
+            "windows_from": [i.name for i in sampled],
+            "window_checkpoint_steps": [i.extra.get("generator", {}).get("checkpoint_step") for i in sampled],
+            "heldout_from": heldout.name,
+            "heldout_checkpoint_step": heldout.extra.get("generator", {}).get("heldout_checkpoint_step"),
+        }
+    )
+    gen.pop("checkpoint_step", None)
+    return Instance(
+        name=name,
+        model=first.model,
+        parallel=first.parallel,
+        cluster=first.cluster,
+        routing=Routing(topk, heldout.routing.heldout_topk, counts),
+        cost_mode=first.cost_mode,
+        description=description,
+        extra={"generator": gen},
+        performance=first.performance,
+    )
+
+
+def assemble_robust(indir: str | Path, outdir: str | Path | None = None) -> Path:
+    """Write ``real_robust`` from the committed series in ``indir`` (into ``outdir``, default ``indir``).
+
+    Sampled windows: ``real_ep64_c10``'s and ``real_ep64_c50``'s sampled windows (the same token
+    bytes routed at 10 % and 50 % of training), in that order; held-out: ``real_ep64``'s held-out
+    window (other bytes, the final model).  No training: the arrays are the committed ones.
+    """
+    from placement.formats import read_instance
+
+    indir = Path(indir)
+    outdir = indir if outdir is None else Path(outdir)
+    sampled = [read_instance(indir / f"{n}.json") for n in ROBUST_SERIES]
+    final = read_instance(indir / f"{SERIES[-1]}.json")
+    outdir.mkdir(parents=True, exist_ok=True)
+    path = outdir / "real_robust.json"
+    write_instance(robust_instance(sampled, final), path)
+    return path
+
+
+def robust_instance(sampled: list[Instance], final: Instance) -> Instance:
+    """``real_robust`` from the 10 % and 50 % instances (their sampled windows) and the final one
+    (its held-out window)."""
+    steps = [s.extra.get("generator", {}).get("checkpoint_step") for s in sampled]
+    return windows_instance(
+        "real_robust",
+        f"Two time-ordered sampled windows, the same tokens routed at steps {steps[0]} and {steps[1]} of "
+        f"placement.realroute's training (10% and 50%); held-out window by the final model; wide EP as real_ep64.",
+        sampled,
+        final,
+    )

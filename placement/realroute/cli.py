@@ -127,11 +127,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--stats", action="store_true", help="only print the routing statistics of OUTDIR's real_* instances")
+    parser.add_argument("--assemble-robust", action="store_true",
+                        help="only write OUTDIR/real_robust from OUTDIR's real_ep64_c10, _c50 and real_ep64 (no training)")
     args = parser.parse_args(argv)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.assemble_robust:
+        from placement.model import PlacementError
+        from placement.realroute.build import assemble_robust
+
+        try:
+            path = assemble_robust(args.outdir)
+        except PlacementError as exc:
+            log(f"python -m placement.realroute: {exc}")
+            return exc.exit_code
+        log(f"wrote {path} and {path.with_suffix('.npz').name}")
+        return 0
     if args.stats:
         from placement.model import PlacementError
 

@@ -43,6 +43,7 @@ from solvers.experts.groups import group_search, num_group_assignments
 from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings
 from solvers.experts.swap import SwapSearch, iterated_local_search
 from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CPSAT_DET_PER_LINK, DET_PER_WALL_S, MAX_GROUP_ASSIGNMENTS
+from solvers.experts.windows import part_windows, robust_search, robust_value
 
 __all__ = ["LayerOutcome", "solve_layer"]
 
@@ -122,6 +123,28 @@ class _LayerSearch:
 
     def score(self, m: np.ndarray, nets: NetSet) -> int:
         return net_crossings(nets, m, self.problem.class_sig, self.problem.cost_mode)
+
+    # -- several sampled windows (solvers.experts.windows); one window: score and __call__ ------
+    def objective(self, m: np.ndarray, part: str) -> tuple[float, int]:
+        """The fit objective of ``m`` on the ``fit`` or ``all`` part, for comparisons: (worst
+        window's crossings per token under a robust fit over >= 2 windows, else 0; crossings)."""
+        nets = self.problem.nets_fit if part == "fit" else self.refit_nets
+        ws = part_windows(self.problem, part)
+        return (robust_value(self.problem, ws, m) if ws else 0.0), self.score(m, nets)
+
+    @property
+    def refit_nets(self) -> NetSet:
+        return self.problem.nets_refit if self.problem.nets_refit is not None else self.problem.nets_all
+
+    def search_part(self, part: str, incumbent: np.ndarray, det: float, key: str) -> SearchResult:
+        """The search on the ``fit`` or ``all`` part with the fit objective (robust: over its windows)."""
+        ws = part_windows(self.problem, part)
+        if ws:
+            return robust_search(self.problem, self, ws, incumbent, det, key, self.runs)
+        m, bound, proved = self(self.problem.nets_fit if part == "fit" else self.refit_nets, incumbent, det, key)
+        if part == "all" and self.problem.nets_refit is not None:
+            bound, proved = None, False  # a bound on the latest window, not on all sampled tokens
+        return m, bound, proved
 
     def __call__(self, nets: NetSet, incumbent: np.ndarray, det: float, key: str) -> SearchResult:
         """(map or None, bound or None, proved) from the layer's search on ``nets``."""
@@ -215,8 +238,8 @@ def _choose(search: _LayerSearch, candidates: dict[str, np.ndarray], table: dict
     hint_name = winner
     if winner == "default" and not default_ok:
         hint_name = min((n for n in order if n != "default"), key=lambda n: (table[n]["all"], order.index(n)))
-    m_all, bound, proved = search(every, candidates[hint_name], det_all, "all")
-    if winner != "default" and m_all is not None and search.score(m_all, every) < search.score(final, every):
+    m_all, bound, proved = search.search_part("all", candidates[hint_name], det_all, "all")
+    if winner != "default" and m_all is not None and search.objective(m_all, "all") < search.objective(final, "all"):
         if search.score(m_all, val) <= table["default"]["validation"]:
             final_name, final = "refit_all", m_all
         else:
@@ -271,6 +294,8 @@ def solve_layer(
     }
     if problem.trivial:
         return _trivial_outcome(problem, details, t_start)
+    if problem.num_windows > 1:  # several sampled windows (solvers.experts.windows); absent for one
+        details["fit"] = problem.fit
     fit, val, every = problem.nets_fit, problem.nets_val, problem.nets_all
     has_val = val.num_nets > 0
     # Step 1a: the load tolerance and the starts (fitted on the fit part).
@@ -288,8 +313,8 @@ def solve_layer(
     candidates: dict[str, np.ndarray] = {"default": default, "local_search": ls_map}
     # Step 1c: the search on the fit part (all of the budget when there is no validation part).
     det_fit = budget.deterministic_time * (0.5 if has_val else 1.0)
-    m_fit, bound_fit, proved_fit = search(fit, ls_map, det_fit, "fit")
-    if m_fit is not None and search.score(m_fit, fit) < search.score(ls_map, fit):
+    m_fit, bound_fit, proved_fit = search.search_part("fit", ls_map, det_fit, "fit")
+    if m_fit is not None and search.objective(m_fit, "fit") < search.objective(ls_map, "fit"):
         candidates["search"] = m_fit
     table = {n: {"fit": search.score(m, fit), "validation": search.score(m, val), "all": search.score(m, every)}
              for n, m in candidates.items()}
@@ -300,7 +325,7 @@ def solve_layer(
                                                    budget.deterministic_time - det_fit, details)
     else:
         order = list(candidates)
-        winner = min(order, key=lambda n: (table[n]["all"], order.index(n)))
+        winner = min(order, key=lambda n: (search.objective(candidates[n], "all"), order.index(n)))
         final_name, final, bound, proved = winner, candidates[winner], bound_fit, proved_fit
         details["validation_winner"] = winner
     details["runs"] = search.runs

@@ -79,6 +79,7 @@ class LayerTask:
     class_tolerance: float
     hint_row: np.ndarray | None
     moves: LayerMoves | None = None  # move-aware re-placement: the layer's move prices
+    fit: str = "mean"  # over several sampled windows (solvers.experts.windows); one window: no effect
 
 
 class LayerWorker:
@@ -94,14 +95,14 @@ class LayerWorker:
         self.validation_fraction = validation_fraction
         self.options = options
 
-    def problem(self, layer: int) -> LayerProblem:
+    def problem(self, layer: int, fit: str = "mean") -> LayerProblem:
         return build_layer_problem(self.instance, self.rank2gpu, layer, group_preserving=self.group_preserving,
-                                   validation_fraction=self.validation_fraction, layout=self.layout)
+                                   validation_fraction=self.validation_fraction, layout=self.layout, fit=fit)
 
     def solve(self, task: LayerTask) -> LayerOutcome:
         if StopCheck(task.budget.deadline, self.options)():
             return self.fallback(task.layer, "stopped before the layer started", task.hint_row)
-        problem = self.problem(task.layer)
+        problem = self.problem(task.layer, task.fit)
         outcome = solve_layer(problem, task.budget, model_groups=task.model_groups,
                               class_tolerance=task.class_tolerance, hint_phy2log=task.hint_row, options=self.options)
         if task.moves is not None:  # move-aware re-placement: candidates between the previous map and this one
@@ -393,7 +394,7 @@ def place_experts(
 
     tasks = [LayerTask(li, budgets[li], model.num_groups, class_tolerance,
                        None if hint_phy2log is None else hint_phy2log[li],
-                       None if moves is None else moves.layers[li]) for li in todo]
+                       None if moves is None else moves.layers[li], options.fit) for li in todo]
     _solve_all(tasks, weight_of, worker, deadline, options,
                pairs_total >= POOL_MIN_PAIRS if use_pool is None else use_pool, finished, outcomes, pool_initializer)
     moves_summary = None
@@ -410,6 +411,9 @@ def place_experts(
                             class_tolerance=class_tolerance, deterministic_time_total=float(sum(dets)))
     if moves_summary is not None:
         details["moves"] = moves_summary
+    if instance.routing.num_windows > 1:  # several sampled windows; absent for one (files unchanged)
+        details["fit"] = {"objective": options.fit, "window_tokens": list(instance.routing.window_tokens or ()),
+                          "guard": "latest window" if validation_fraction > 0 else "none"}
     log.info("expert placement: %d layers in %.1f s", len(todo), time.monotonic() - t0)
     return ExpertPlan(phy2log=phy2log, objective_bytes=objective_bytes, bound_bytes=bound_bytes, details=details)
 

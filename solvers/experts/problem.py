@@ -81,7 +81,7 @@ class LayerProblem:
     class_sig : (C, G) local domain of class ``c`` in EP group ``g``.
     class_capacity : (C,) expert slots of each class.
     load : (G, E) int64 (token, expert) pairs from EP group ``g``'s sources on expert ``e`` (all
-        sampled tokens).
+        sampled tokens; with ``fit="latest"`` and several windows, the latest window's).
     bytes_per_crossing : fabric bytes per step of one crossing of one sampled token.
     nets_fit, nets_val, nets_all : the fit part, the validation part (empty if no split) and all
         sampled tokens, aggregated.
@@ -107,6 +107,17 @@ class LayerProblem:
     nets_all: NetSet
     group_preserving: bool
     expert_group_size: int
+    # ---- several sampled windows (SolveOptions.fit; solvers.experts.windows) ---------------
+    #: ``mean``, ``robust`` or ``latest``: how the fit weighs the sampled windows.
+    fit: str = "mean"
+    #: robust fit over several windows: each sampled window's nets, oldest first (else empty).
+    windows: tuple[NetSet, ...] = ()
+    #: how many of ``windows`` (the oldest) form the fit part; the rest is the validation part.
+    fit_windows: int = 0
+    #: the nets the refit searches when they are not ``nets_all`` (``latest``: the latest window).
+    nets_refit: NetSet | None = None
+    #: sampled windows of the instance (``routing.window_tokens``; 1 = one window).
+    num_windows: int = 1
 
     # ---- derived structure -----------------------------------------------------------------
     @property
@@ -206,6 +217,7 @@ def build_layer_problem(
     group_preserving: bool,
     validation_fraction: float = VALIDATION_FRACTION,
     layout: LayoutIndex | None = None,
+    fit: str = "mean",
 ) -> LayerProblem:
     """Collect one layer's classes, nets and loads for ``rank2gpu``.
 
@@ -217,6 +229,9 @@ def build_layer_problem(
     group_preserving : restrict to group-preserving maps (requires ``num_groups > 1``).
     validation_fraction : share of each source's sampled tokens (the last ones) held back; 0 = none.
     layout : a precomputed :class:`placement.cost.LayoutIndex` for ``rank2gpu``.
+    fit : how several sampled windows (``routing.window_tokens``) are used
+        (:func:`solvers.experts.windows.window_parts`); with one window every value gives today's
+        problem.
     """
     model, cl = instance.model, instance.cluster
     topk = np.asarray(instance.routing.topk[layer], dtype=np.int64)  # (dp, T, k)
@@ -238,12 +253,23 @@ def build_layer_problem(
     if (src_dom < 0).any():  # pragma: no cover - sources are ranks of the stage's EP groups
         raise SolverError(f"layer {layer}: a source GPU lies outside its stage's EP groups")
     G = class_sig.shape[1]
+    # -- several sampled windows (solvers.experts.windows): ``latest`` balances the latest alone --
+    bounds_w = instance.routing.window_bounds()
+    lo, hi = bounds_w[-1] if fit == "latest" else (0, T)
     load = np.zeros((G, model.num_experts), dtype=np.int64)
     for g in range(G):
-        sel = src_group == g
-        load[g] = np.bincount(topk[sel].reshape(-1), minlength=model.num_experts)
-    nets_fit, nets_val, nets_all = _split_nets(topk, src_group, src_dom, validation_fraction,
-                                               trivial=class_sig.shape[0] == 1)
+        sel = src_group[:, lo:hi] == g
+        load[g] = np.bincount(topk[:, lo:hi][sel].reshape(-1), minlength=model.num_experts)
+    trivial = class_sig.shape[0] == 1
+    extra: dict = {}
+    if len(bounds_w) >= 2 and not trivial:
+        from solvers.experts.windows import window_parts
+
+        nets_fit, nets_val, nets_all, extra = window_parts(topk, src_group, src_dom, bounds_w, fit,
+                                                           validation_fraction)
+        extra["num_windows"] = len(bounds_w)
+    else:
+        nets_fit, nets_val, nets_all = _split_nets(topk, src_group, src_dom, validation_fraction, trivial=trivial)
     gs = model.experts_per_group if group_preserving else model.num_experts
     if group_preserving and model.num_groups <= 1:
         raise InvalidInputError("group_preserving: the model has no expert groups (num_groups is 1)")
@@ -264,6 +290,8 @@ def build_layer_problem(
         nets_all=nets_all,
         group_preserving=group_preserving,
         expert_group_size=gs,
+        fit=fit,
+        **extra,
     )
 
 
