@@ -56,13 +56,29 @@ class NetSet:
             z = np.zeros(0, dtype=np.int64)
             return NetSet(np.zeros((0, k), dtype=np.int64), z, z.copy(), z.copy())
         keys = np.column_stack([group, src, experts]).astype(np.int64)
-        uniq, counts = np.unique(keys, axis=0, return_counts=True)
+        uniq, counts = _unique_rows(keys)
         return NetSet(
             experts=np.ascontiguousarray(uniq[:, 2:]),
             group=np.ascontiguousarray(uniq[:, 0]),
             src=np.ascontiguousarray(uniq[:, 1]),
             weight=counts.astype(np.int64),
         )
+
+
+def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, axis=0, return_counts=True)`` for non-negative int64 rows, the same rows in the
+    same (lexicographic) order; when a row fits one mixed-radix int64 code, a 1-D unique on the codes
+    (several times faster than the row sort on 10^5 tokens)."""
+    if keys.shape[0] == 0 or keys.min() < 0:
+        return np.unique(keys, axis=0, return_counts=True)
+    radix = keys.max(axis=0) + 1  # (W,) per column
+    if float(np.sum(np.log2(radix.astype(np.float64)))) >= 62:
+        return np.unique(keys, axis=0, return_counts=True)
+    code = np.zeros(keys.shape[0], dtype=np.int64)
+    for j in range(keys.shape[1]):  # most significant first: lexicographic order of the rows
+        code = code * int(radix[j]) + keys[:, j]
+    uniq_code, first, counts = np.unique(code, return_index=True, return_counts=True)
+    return keys[first], counts
 
 
 @dataclass(frozen=True)
