@@ -25,7 +25,8 @@ import numpy as np
 from solvers.base import SolveOptions
 from solvers.experts.budget import StopCheck
 from solvers.experts.cpsat_model import run_cpsat
-from solvers.experts.problem import LayerProblem, NetSet, group2type_of, linear_costs, net_crossings, net_pairs
+from solvers.experts.problem import (LayerProblem, NetSet, group2type_of, linear_costs, net_crossings, net_pairs,
+                                     unique_rows_inverse)
 from solvers.experts.swap import SwapSearch
 from solvers.experts.tuning import MAX_GROUP_ASSIGNMENTS, MAX_REFINED_ASSIGNMENTS, SUBPROBLEM_MAX_FREE_EXPERTS
 from solvers.kernels import assign_to_counts
@@ -106,7 +107,7 @@ def _forced_costs(problem: LayerProblem, nets: NetSet, assign: np.ndarray, chunk
                 mask = (whole[types] & (problem.class_sig[whole_class[types], g] == d)).astype(np.float32)
                 if not mask.any():
                     continue
-                out[lo: lo + chunk] += wd @ ((tg @ mask.T) > 0)
+                out[lo: lo + chunk] += wd @ ((tg @ mask.T) > 0).astype(np.float64)
     return out
 
 
@@ -122,11 +123,13 @@ def touch_nets(problem: LayerProblem, nets: NetSet) -> tuple[np.ndarray, np.ndar
     P = problem.num_group_positions
     touch = np.zeros((N, P), dtype=bool)
     touch[np.repeat(np.arange(N), k), problem.expert2group[nets.experts.reshape(-1)]] = True
-    keys = np.column_stack([nets.group, nets.src, np.packbits(touch, axis=1).astype(np.int64)])
     if N == 0:
         return touch.astype(np.float32), nets.group, nets.src, nets.weight.astype(np.float64)
-    uniq, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-    weight = np.bincount(inverse.reshape(-1), weights=nets.weight.astype(np.float64), minlength=uniq.shape[0])
+    keys = np.column_stack([nets.group, nets.src, np.packbits(touch, axis=1).astype(np.int64)])
+    uniq, inverse = unique_rows_inverse(keys)
+    first = np.zeros(uniq.shape[0], dtype=np.int64)
+    first[inverse] = np.arange(N)  # a net of each key (they share their touch row)
+    weight = np.bincount(inverse, weights=nets.weight.astype(np.float64), minlength=uniq.shape[0])
     return touch[first].astype(np.float32), uniq[:, 0], uniq[:, 1], weight
 
 
@@ -237,6 +240,9 @@ def _restarts(problem: LayerProblem, nets: NetSet, cap: np.ndarray, inc: _Incumb
               maps: dict[int, np.ndarray], order: np.ndarray, restarts: int, stop: StopCheck) -> int:
     """Swap-search restarts from the relaxation maps of the most promising assignments; returns how many."""
     search = SwapSearch(problem, nets)
+    # Every type in one class: the maps are the enumerated assignments, exact; no swap or group move
+    # leads anywhere the enumeration has not scored (issue 16: skip the search on 10^5 nets).
+    exact = bool(_single_class_types(problem)[0].all())
     tried = 0
     for a in order[: 10 * restarts]:
         if tried >= restarts or lb[a] >= inc.ub or int(a) not in maps or stop():
@@ -245,7 +251,7 @@ def _restarts(problem: LayerProblem, nets: NetSet, cap: np.ndarray, inc: _Incumb
         if (problem.class_loads(start) > cap).any():
             continue
         tried += 1
-        m = search.run(start, cap)
+        m = start if exact else search.run(start, cap)
         v = net_crossings(nets, m, problem.class_sig, problem.cost_mode)
         if v < inc.ub:
             inc.best, inc.ub = m, v

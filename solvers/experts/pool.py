@@ -27,7 +27,7 @@ from placement.cost import LayoutIndex, evaluate
 from placement.model import InfeasibleError, Instance, InvalidInputError, MoEModel, Placement, SolverError
 from solvers.base import SolveOptions
 from solvers.experts.bounds import sum_bounds
-from solvers.experts.budget import LayerBudget, StopCheck, deterministic_budget
+from solvers.experts.budget import LayerBudget, StopCheck, deterministic_budget, layer_work_s, search_net_limit
 from solvers.experts.layer import LayerOutcome, solve_layer
 from solvers.experts.problem import LayerProblem, build_layer_problem
 from solvers.experts.tuning import (
@@ -248,7 +248,12 @@ def _budgets(instance: Instance, layout: LayoutIndex, options: SolveOptions, tod
     else:
         w = np.asarray(weights) if sum(weights) > 0 else np.ones(len(todo))
         dets = [float(deterministic_time * x / w.sum()) for x in w]
-    budgets = {li: LayerBudget(d, (options.seed * 1_000_003 + li) % (2**31 - 1), deadline) for li, d in zip(todo, dets)}
+    # Scalable search (issue 16): the nets each layer's search may see, from its share of the work.
+    works = layer_work_s(options.resolved_work_budget_s(), options.num_workers, weights)
+    limits = [search_net_limit(wk, p, instance.model.top_k, int(round(w / p)) + 1) if p > 0 else None
+              for wk, w, p in zip(works, weights, pairs)]
+    budgets = {li: LayerBudget(d, (options.seed * 1_000_003 + li) % (2**31 - 1), deadline, search_nets=lim)
+               for li, d, lim in zip(todo, dets, limits)}
     return budgets, dict(zip(todo, weights)), dets, float(sum(pairs))
 
 
