@@ -211,12 +211,12 @@ def _assignment_bounds(problem: LayerProblem, nets: NetSet, assign: np.ndarray, 
     whole, whole_class = _single_class_types(problem)
     all_whole = whole[assign].all(axis=1)  # (A,) assignments fixing every expert's class
     if cap is not None:  # scalable search (issue 16): exact, no refinement needed for these
-        for a in np.flatnonzero(all_whole):
-            m = whole_class[assign[a]][problem.expert2group]
+        for i in np.flatnonzero(all_whole):
+            m = whole_class[assign[i]][problem.expert2group]
             if (problem.class_loads(m) > cap).any():
-                lb[a] = math.inf
+                lb[i] = math.inf
             else:
-                maps[int(a)] = m
+                maps[int(i)] = m
     refined = 0
     for a in np.argsort(lb, kind="stable"):
         if lb[a] >= ub or refined >= max_refine:
