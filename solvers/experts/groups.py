@@ -251,7 +251,7 @@ def _restarts(problem: LayerProblem, nets: NetSet, cap: np.ndarray, inc: _Incumb
         if (problem.class_loads(start) > cap).any():
             continue
         tried += 1
-        m = start if exact else search.run(start, cap)
+        m = start if exact else search.run(start, cap, should_stop=stop)
         v = net_crossings(nets, m, problem.class_sig, problem.cost_mode)
         if v < inc.ub:
             inc.best, inc.ub = m, v

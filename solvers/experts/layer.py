@@ -218,7 +218,9 @@ def _best_polished(search: _LayerSearch, starts: list[tuple[str, np.ndarray]]) -
     """The swap search from every start on the fit part; the best (ties: the earlier start)."""
     fit = search.problem.nets_fit
     ls_fit = SwapSearch(search.problem, search.reduced(fit))
-    polished = [(name, ls_fit.run(m, search.cap)) for name, m in starts]
+    # Anytime (issue 16): once the stop fires, the remaining starts stay as they are (valid maps).
+    polished = [(name, m if search.stop() else ls_fit.run(m, search.cap, should_stop=search.stop))
+                for name, m in starts]
     names = [n for n, _ in polished]
     return min(polished, key=lambda nm: (search.score(nm[1], fit), names.index(nm[0])))
 
@@ -353,5 +355,5 @@ def solve_layer(
     # Scalable search (issue 16): what the search saw, and whether the clock (not the budget) ended it.
     details["search_nets"] = {"limit": budget.search_nets, "fit": search.reduced(fit).num_nets,
                               "fit_exact": fit.num_nets}
-    details["cut_by_clock"] = bool(search.stop.fired)
+    details["stopped_early"] = bool(search.stop.fired)  # the deadline or a stop request ended some work
     return LayerOutcome(problem.layer, slots, crossings, bound, proved, details, time.monotonic() - t_start)

@@ -3,8 +3,10 @@ and the plan checked against the evaluator.
 
 Determinism: layers run in a process pool (spawned, one CP-SAT worker each) or in this process and
 are gathered in layer order, so the same instance, seed, work budget and worker count give the
-same placement.  At the deadline or a stop request, layers not yet solved keep the map the rank
-layout was scored with (else the default map).
+same placement.  Layers stop their work :data:`~solvers.experts.tuning.ANYTIME_GRACE_S` before the
+deadline (or at a stop request, in this process) and return their best map so far, checked by the
+validation guard; at the deadline or a stop request, layers not yet solved (or whose worker has not
+answered) keep the map the rank layout was scored with (else the default map).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from solvers.experts.budget import LayerBudget, StopCheck, deterministic_budget,
 from solvers.experts.layer import LayerOutcome, solve_layer
 from solvers.experts.problem import LayerProblem, build_layer_problem
 from solvers.experts.tuning import (
+    ANYTIME_GRACE_S,
     CLASS_LOAD_TOLERANCE,
     CLASS_LOAD_TOLERANCE_GROUP_PRESERVING,
     DET_PER_WALL_S,
@@ -248,6 +251,8 @@ def _budgets(instance: Instance, layout: LayoutIndex, options: SolveOptions, tod
     else:
         w = np.asarray(weights) if sum(weights) > 0 else np.ones(len(todo))
         dets = [float(deterministic_time * x / w.sum()) for x in w]
+    # Anytime (issue 16): layers stop a little before the deadline and return their best map so far.
+    deadline = deadline - min(ANYTIME_GRACE_S, max(0.0, deadline - time.monotonic()) / 5.0)
     # Scalable search (issue 16): the nets each layer's search may see, from its share of the work.
     works = layer_work_s(options.resolved_work_budget_s(), options.num_workers, weights)
     limits = [search_net_limit(wk, p, instance.model.top_k, int(round(w / p)) + 1) if p > 0 else None

@@ -22,6 +22,7 @@ __all__ = [
     "EXACT_S_PER_PAIR",
     "SEARCH_S_PER_LINK",
     "MIN_SEARCH_NETS",
+    "ANYTIME_GRACE_S",
 ]
 
 #: A class's load may exceed its proportional share of each EP group's (token, expert) pairs by this
@@ -75,3 +76,7 @@ EXACT_S_PER_PAIR = 2e-6
 SEARCH_S_PER_LINK = 5e-6
 #: The search always sees at least this many nets (or all of them).
 MIN_SEARCH_NETS = 2_000
+#: Layers stop their work this many seconds (at most a fifth of the time left) before the expert
+#: placer's deadline and return their best map so far, so that a process pool's results arrive before
+#: the parent stops waiting for them.
+ANYTIME_GRACE_S = 3.0
