@@ -96,18 +96,25 @@ def _forced_costs(problem: LayerProblem, nets: NetSet, assign: np.ndarray, chunk
     """
     whole, whole_class = _single_class_types(problem)
     touch, t_group, t_src, w = touch_nets(problem, nets)  # exact: the cost depends on nothing else
+    P = problem.num_group_positions
+    bits = (1 << np.arange(P, dtype=np.int64)) if P <= 62 else None  # touch rows as bit sets (no BLAS)
     out = np.zeros(assign.shape[0])
     for g in range(problem.num_ep_groups):
         sel = t_group == g
         tg, wg, sg = touch[sel], w[sel], t_src[sel]
+        tbits = None if bits is None else (tg > 0).astype(np.int64) @ bits
         for d in range(problem.num_domains):
             wd = wg * (sg != d)
             for lo in range(0, assign.shape[0], chunk):
                 types = assign[lo: lo + chunk]  # (a, P)
-                mask = (whole[types] & (problem.class_sig[whole_class[types], g] == d)).astype(np.float32)
+                mask = whole[types] & (problem.class_sig[whole_class[types], g] == d)
                 if not mask.any():
                     continue
-                out[lo: lo + chunk] += wd @ ((tg @ mask.T) > 0).astype(np.float64)
+                if tbits is not None and bits is not None:
+                    hit = (tbits[:, None] & (mask.astype(np.int64) @ bits)[None, :]) != 0
+                else:
+                    hit = (tg @ mask.T.astype(np.float32)) > 0
+                out[lo: lo + chunk] += wd @ hit.astype(np.float64)
     return out
 
 
