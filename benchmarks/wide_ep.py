@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,12 @@ def _load() -> float:
         return float("nan")
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process's waited-for children so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _solve(path: Path, out: Path, time_limit_s: float, seed: int, group_preserving: str) -> tuple[int, float, str]:
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -111,8 +118,10 @@ def run(*, time_limit_s: float, runs: int, hog: int, seed: int, workdir: Path, g
     try:
         for r in range(runs):
             out = workdir / f"run{r}.json"
+            cpu0 = _cpu_s()
             code, wall_s, err = _solve(path, out, time_limit_s, seed, group_preserving)
-            row: dict = {"run": r, "exit": code, "wall_s": round(wall_s, 1), "load": _load()}
+            row: dict = {"run": r, "exit": code, "wall_s": round(wall_s, 1), "cpu_s": round(_cpu_s() - cpu0, 1),
+                         "load": _load()}
             if code == 0:
                 doc = json.loads(out.read_text())
                 row["heldout_ratio"] = round(doc["metrics"]["heldout_cross_domain_bytes_per_step"] / default_heldout, 4)
@@ -147,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = run(time_limit_s=args.time_limit, runs=args.runs, hog=args.hog, seed=args.seed, workdir=workdir,
                   group_preserving=args.group_preserving)
     for row in res["runs"]:
-        print(f"run {row['run']}: exit {row['exit']}, {row['wall_s']} s wall, load {row['load']}, "
+        print(f"run {row['run']}: exit {row['exit']}, {row['wall_s']} s wall, {row.get('cpu_s')} CPU s "
+              f"(the solve and its workers), load {row['load']}, "
               f"held-out bytes / default {row.get('heldout_ratio')}")
         for ly in row.get("layers", []):
             print(f"  layer {ly['layer']}: {ly['status']}, {ly['chosen']}, stopped early {ly['stopped_early']}, "
