@@ -17,6 +17,7 @@ Usage::
 
     python benchmarks/wide_ep.py [--time-limit 60] [--runs 2] [--hog 2] [--seed 0] [--write DIR]
                                  [--group-preserving auto|on|off] [--json OUT]
+    python benchmarks/wide_ep.py --layer-sizes 3000,10000,40000,all [--group-preserving off] [--write DIR]
 """
 
 from __future__ import annotations
@@ -140,6 +141,30 @@ def run(*, time_limit_s: float, runs: int, hog: int, seed: int, workdir: Path, g
             "byte_identical": same}
 
 
+def layer_sizes(path: Path, limits: Sequence[int | None], *, group_preserving: bool, layer: int = 0) -> list[dict]:
+    """One layer solved in this process with its search limited to each of ``limits`` nets (None: all):
+    wall and CPU seconds (this process; about the wall time on an idle machine) and crossings (the
+    constants behind ``solvers.experts.search_net_limit``)."""
+    from solvers.experts import LayerBudget, LayerWorker, solve_layer
+    from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CLASS_LOAD_TOLERANCE_GROUP_PRESERVING
+
+    instance = read_instance(path).for_solver()
+    worker = LayerWorker(instance, default_placement(instance).rank2gpu, group_preserving, 0.25)
+    tol = CLASS_LOAD_TOLERANCE_GROUP_PRESERVING if group_preserving else CLASS_LOAD_TOLERANCE
+    rows = []
+    for limit in limits:
+        problem = worker.problem(layer)
+        t0, c0 = time.monotonic(), time.process_time()
+        o = solve_layer(problem, LayerBudget(0.0, 1, time.monotonic() + 1e4, search_nets=limit),
+                        model_groups=instance.model.num_groups, class_tolerance=tol)
+        d = o.details
+        rows.append({"limit": limit, "wall_s": round(time.monotonic() - t0, 2),
+                     "cpu_s": round(time.process_time() - c0, 2), "load": _load(),
+                     "crossings": d["objective_crossings"], "default_crossings": d["candidates"]["default"]["all"],
+                     "validation": d["validation_crossings"], "search_nets": d["search_nets"]})
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--time-limit", type=float, default=60.0)
@@ -149,7 +174,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--group-preserving", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--write", type=Path, help="keep the instance and the placement files in this folder")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--layer-sizes", help="instead: layer 0 in this process with the search limited to these "
+                    "nets, e.g. 3000,10000,all")
     args = ap.parse_args(argv)
+    if args.layer_sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = args.write or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            path = workdir / f"{SPEC.name}.json"
+            if not path.exists():
+                write_instance(build(SPEC), path)
+            limits = [None if x == "all" else int(x) for x in args.layer_sizes.split(",")]
+            for row in layer_sizes(path, limits, group_preserving=args.group_preserving != "off"):
+                print(row)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.write or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
