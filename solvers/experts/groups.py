@@ -25,12 +25,13 @@ import numpy as np
 from solvers.base import SolveOptions
 from solvers.experts.budget import StopCheck
 from solvers.experts.cpsat_model import run_cpsat
-from solvers.experts.problem import LayerProblem, NetSet, group2type_of, linear_costs, net_crossings, net_pairs
+from solvers.experts.problem import (LayerProblem, NetSet, group2type_of, linear_costs, net_crossings, net_pairs,
+                                     unique_rows_inverse)
 from solvers.experts.swap import SwapSearch
 from solvers.experts.tuning import MAX_GROUP_ASSIGNMENTS, MAX_REFINED_ASSIGNMENTS, SUBPROBLEM_MAX_FREE_EXPERTS
 from solvers.kernels import assign_to_counts
 
-__all__ = ["GroupSearchResult", "num_group_assignments", "group_search", "multiset_permutations"]
+__all__ = ["GroupSearchResult", "num_group_assignments", "group_search", "multiset_permutations", "touch_nets"]
 
 
 def multiset_permutations(mult: np.ndarray) -> np.ndarray:
@@ -94,23 +95,49 @@ def _forced_costs(problem: LayerProblem, nets: NetSet, assign: np.ndarray, chunk
     whole type lies in ``d`` for ``g``: ``touch (N, P) @ mask (P, A) > 0``.
     """
     whole, whole_class = _single_class_types(problem)
-    N, k = nets.experts.shape
-    touch = np.zeros((N, problem.num_group_positions), dtype=np.float32)
-    touch[np.repeat(np.arange(N), k), problem.expert2group[nets.experts.reshape(-1)]] = 1.0
-    w = nets.weight.astype(np.float64)
+    touch, t_group, t_src, w = touch_nets(problem, nets)  # exact: the cost depends on nothing else
+    P = problem.num_group_positions
+    bits = (1 << np.arange(P, dtype=np.int64)) if P <= 62 else None  # touch rows as bit sets (no BLAS)
     out = np.zeros(assign.shape[0])
     for g in range(problem.num_ep_groups):
-        sel = nets.group == g
-        tg, wg, sg = touch[sel], w[sel], nets.src[sel]
+        sel = t_group == g
+        tg, wg, sg = touch[sel], w[sel], t_src[sel]
+        tbits = None if bits is None else (tg > 0).astype(np.int64) @ bits
         for d in range(problem.num_domains):
             wd = wg * (sg != d)
             for lo in range(0, assign.shape[0], chunk):
                 types = assign[lo: lo + chunk]  # (a, P)
-                mask = (whole[types] & (problem.class_sig[whole_class[types], g] == d)).astype(np.float32)
+                mask = whole[types] & (problem.class_sig[whole_class[types], g] == d)
                 if not mask.any():
                     continue
-                out[lo: lo + chunk] += wd @ ((tg @ mask.T) > 0)
+                if tbits is not None and bits is not None:
+                    hit = (tbits[:, None] & (mask.astype(np.int64) @ bits)[None, :]) != 0
+                else:
+                    hit = (tg @ mask.T.astype(np.float32)) > 0
+                out[lo: lo + chunk] += wd @ hit.astype(np.float64)
     return out
+
+
+def touch_nets(problem: LayerProblem, nets: NetSet) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Nets aggregated by ``(EP group, source, expert groups touched)``: what the crossings forced by
+    single-class group positions depend on (an exact aggregation: ``dsv3``-like routing has at most
+    ``C(G, groups_per_token)`` touch patterns per source, against up to 10^5 distinct expert sets).
+
+    Returns ``(touch (M, P) float32 0/1, group (M,), src (M,), weight (M,) float64)``, rows sorted
+    by key (deterministic).
+    """
+    N, k = nets.experts.shape
+    P = problem.num_group_positions
+    touch = np.zeros((N, P), dtype=bool)
+    touch[np.repeat(np.arange(N), k), problem.expert2group[nets.experts.reshape(-1)]] = True
+    if N == 0:
+        return touch.astype(np.float32), nets.group, nets.src, nets.weight.astype(np.float64)
+    keys = np.column_stack([nets.group, nets.src, np.packbits(touch, axis=1).astype(np.int64)])
+    uniq, inverse = unique_rows_inverse(keys)
+    first = np.zeros(uniq.shape[0], dtype=np.int64)
+    first[inverse] = np.arange(N)  # a net of each key (they share their touch row)
+    weight = np.bincount(inverse, weights=nets.weight.astype(np.float64), minlength=uniq.shape[0])
+    return touch[first].astype(np.float32), uniq[:, 0], uniq[:, 1], weight
 
 
 def _per_group_assignment(problem: LayerProblem, cost: np.ndarray, types: np.ndarray, e2c: np.ndarray,
@@ -170,10 +197,14 @@ def _split_bound(problem: LayerProblem, nets: NetSet, types: np.ndarray) -> tupl
 
 
 def _assignment_bounds(problem: LayerProblem, nets: NetSet, assign: np.ndarray, ub: float,
-                       max_refine: int = MAX_REFINED_ASSIGNMENTS) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+                       max_refine: int = MAX_REFINED_ASSIGNMENTS,
+                       cap: np.ndarray | None = None) -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """Lower bounds of all assignments: the forced crossings for all of them, refined by
     :func:`_split_bound` for at most ``max_refine`` of those still below ``ub`` (lowest first).
-    An unrefined assignment keeps its forced crossings, still a valid (weaker) bound.
+    An unrefined assignment keeps its forced crossings, still a valid (weaker) bound.  An assignment
+    with every group on a single-class type has one map, whose crossings are its forced ones
+    (exact, no refinement needed); with ``cap`` (G, C) given, such a map over the caps is outside the
+    search space (bound infinite).
 
     Returns ``(lb (A,), maps {a: (E,) relaxation map}`` for the refined ones).
     """
@@ -184,9 +215,22 @@ def _assignment_bounds(problem: LayerProblem, nets: NetSet, assign: np.ndarray, 
             lb[a], maps[a] = _split_bound(problem, nets, assign[a])
         return lb, maps
     lb = _forced_costs(problem, nets, assign)
-    for a in np.argsort(lb, kind="stable")[:max_refine]:
-        if lb[a] >= ub:
+    whole, whole_class = _single_class_types(problem)
+    all_whole = whole[assign].all(axis=1)  # (A,) assignments fixing every expert's class
+    if cap is not None:  # scalable search (issue 16): exact, no refinement needed for these
+        for i in np.flatnonzero(all_whole):
+            m = whole_class[assign[i]][problem.expert2group]
+            if (problem.class_loads(m) > cap).any():
+                lb[i] = math.inf
+            else:
+                maps[int(i)] = m
+    refined = 0
+    for a in np.argsort(lb, kind="stable"):
+        if lb[a] >= ub or refined >= max_refine:
             break
+        if cap is not None and all_whole[a]:
+            continue
+        refined += 1
         lb[a], maps[int(a)] = _split_bound(problem, nets, assign[a])
     return lb, maps
 
@@ -203,6 +247,9 @@ def _restarts(problem: LayerProblem, nets: NetSet, cap: np.ndarray, inc: _Incumb
               maps: dict[int, np.ndarray], order: np.ndarray, restarts: int, stop: StopCheck) -> int:
     """Swap-search restarts from the relaxation maps of the most promising assignments; returns how many."""
     search = SwapSearch(problem, nets)
+    # Every type in one class: the maps are the enumerated assignments, exact; no swap or group move
+    # leads anywhere the enumeration has not scored (issue 16: skip the search on 10^5 nets).
+    exact = bool(_single_class_types(problem)[0].all())
     tried = 0
     for a in order[: 10 * restarts]:
         if tried >= restarts or lb[a] >= inc.ub or int(a) not in maps or stop():
@@ -211,7 +258,7 @@ def _restarts(problem: LayerProblem, nets: NetSet, cap: np.ndarray, inc: _Incumb
         if (problem.class_loads(start) > cap).any():
             continue
         tried += 1
-        m = search.run(start, cap)
+        m = start if exact else search.run(start, cap, should_stop=stop)
         v = net_crossings(nets, m, problem.class_sig, problem.cost_mode)
         if v < inc.ub:
             inc.best, inc.ub = m, v
@@ -285,7 +332,7 @@ def group_search(
     assign = multiset_permutations(mult)
     inc = _Incumbent(np.array(incumbent, dtype=np.int64),
                      net_crossings(nets, incumbent, problem.class_sig, problem.cost_mode))
-    lb, maps = _assignment_bounds(problem, nets, assign, inc.ub)
+    lb, maps = _assignment_bounds(problem, nets, assign, inc.ub, cap=cap)
     order = np.argsort(lb, kind="stable")
     tried = _restarts(problem, nets, cap, inc, lb, maps, order, restarts, stop)
     facts = _subproblems(problem, nets, cap, inc, lb, maps, assign, order, deterministic_time, seed, stop, options)

@@ -40,7 +40,7 @@ from solvers.experts.budget import LayerBudget, StopCheck
 from solvers.experts.cpsat_model import run_cpsat
 from solvers.experts.greedy import capped_greedy
 from solvers.experts.groups import group_search, num_group_assignments
-from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings
+from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings, sample_nets
 from solvers.experts.swap import SwapSearch, iterated_local_search
 from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CPSAT_DET_PER_LINK, DET_PER_WALL_S, MAX_GROUP_ASSIGNMENTS
 from solvers.experts.windows import part_windows, robust_search, robust_value
@@ -115,11 +115,32 @@ class _LayerSearch:
     stop: StopCheck
     options: SolveOptions | None
     runs: dict = field(default_factory=dict)
+    _reduced: dict = field(default_factory=dict)  # id(nets) -> (nets, the search's nets)
+
+    def reduced(self, nets: NetSet) -> NetSet:
+        """The nets the search works on: ``nets``, or when there are more than the budget's
+        ``search_nets``, their seeded unbiased sample (:func:`solvers.experts.problem.sample_nets`).
+        Candidates are always scored on the exact nets (:meth:`score`)."""
+        limit = self.budget.search_nets
+        if limit is None or nets.num_nets <= limit:
+            return nets
+        if id(nets) not in self._reduced:
+            self._reduced[id(nets)] = (nets, sample_nets(nets, limit, self.budget.seed))
+        return self._reduced[id(nets)][1]
 
     @property
     def use_groups(self) -> bool:
         p = self.problem
         return p.group_preserving and num_group_assignments(p) <= MAX_GROUP_ASSIGNMENTS
+
+    @property
+    def exact_groups(self) -> bool:
+        """The group search enumerates exact maps only (every position type in one class): it works on
+        nets aggregated by expert groups touched, so it never needs a sample."""
+        if not self.use_groups:
+            return False
+        _, type_count, _ = self.problem.position_types
+        return bool(((type_count > 0).sum(axis=1) == 1).all())
 
     def score(self, m: np.ndarray, nets: NetSet) -> int:
         return net_crossings(nets, m, self.problem.class_sig, self.problem.cost_mode)
@@ -151,6 +172,15 @@ class _LayerSearch:
         if self.stop():
             self.runs[key] = {"status": "SKIPPED", "reason": "deadline"}
             return None, None, False
+        exact = nets
+        nets = exact if self.exact_groups else self.reduced(exact)
+        if nets is not exact:  # a sample: its bounds are estimates, not bounds
+            m, _, _ = self._search(nets, incumbent, det, key)
+            self.runs[key].update(sampled_nets=nets.num_nets, of_nets=exact.num_nets)
+            return m, None, False
+        return self._search(nets, incumbent, det, key)
+
+    def _search(self, nets: NetSet, incumbent: np.ndarray, det: float, key: str) -> SearchResult:
         if self.use_groups:
             r = group_search(self.problem, nets, self.cap, incumbent, deterministic_time=det, seed=self.budget.seed,
                              stop=self.stop, restarts=_restarts_for(det), options=self.options)
@@ -212,8 +242,10 @@ def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, c
 def _best_polished(search: _LayerSearch, starts: list[tuple[str, np.ndarray]]) -> tuple[str, np.ndarray]:
     """The swap search from every start on the fit part; the best (ties: the earlier start)."""
     fit = search.problem.nets_fit
-    ls_fit = SwapSearch(search.problem, fit)
-    polished = [(name, ls_fit.run(m, search.cap)) for name, m in starts]
+    ls_fit = SwapSearch(search.problem, search.reduced(fit))
+    # Anytime (issue 16): once the stop fires, the remaining starts stay as they are (valid maps).
+    polished = [(name, m if search.stop() else ls_fit.run(m, search.cap, should_stop=search.stop))
+                for name, m in starts]
     names = [n for n, _ in polished]
     return min(polished, key=lambda nm: (search.score(nm[1], fit), names.index(nm[0])))
 
@@ -347,4 +379,8 @@ def solve_layer(
         load_max_over_mean=round(rank_load_ratio(problem, slots), 6),
         load_max_over_mean_floor=round(rank_load_floor(problem, final), 6),
     )
+    # Scalable search (issue 16): what the search saw, and whether the clock (not the budget) ended it.
+    details["search_nets"] = {"limit": budget.search_nets, "fit": search.reduced(fit).num_nets,
+                              "fit_exact": fit.num_nets}
+    details["stopped_early"] = bool(search.stop.fired)  # the deadline or a stop request ended some work
     return LayerOutcome(problem.layer, slots, crossings, bound, proved, details, time.monotonic() - t_start)

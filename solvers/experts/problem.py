@@ -21,7 +21,7 @@ from solvers.experts.tuning import VALIDATION_FRACTION
 from solvers.kernels import bytes_per_crossing, domain_classes, net_crossings_of
 
 __all__ = ["NetSet", "LayerProblem", "build_layer_problem", "net_crossings", "linear_costs", "net_pairs",
-           "group2type_of", "is_structurally_valid"]
+           "group2type_of", "is_structurally_valid", "unique_rows_inverse", "sample_nets"]
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,49 @@ class NetSet:
             z = np.zeros(0, dtype=np.int64)
             return NetSet(np.zeros((0, k), dtype=np.int64), z, z.copy(), z.copy())
         keys = np.column_stack([group, src, experts]).astype(np.int64)
-        uniq, counts = np.unique(keys, axis=0, return_counts=True)
+        uniq, counts = _unique_rows(keys)
         return NetSet(
             experts=np.ascontiguousarray(uniq[:, 2:]),
             group=np.ascontiguousarray(uniq[:, 0]),
             src=np.ascontiguousarray(uniq[:, 1]),
             weight=counts.astype(np.int64),
         )
+
+
+def _row_codes(keys: np.ndarray) -> np.ndarray | None:
+    """(R,) one mixed-radix int64 code per non-negative int64 row, ordered as the rows are
+    (lexicographically), or None when the rows do not fit 62 bits."""
+    if keys.shape[0] == 0 or keys.min() < 0:
+        return None
+    radix = keys.max(axis=0) + 1  # (W,) per column
+    if float(np.sum(np.log2(radix.astype(np.float64)))) >= 62:
+        return None
+    code = np.zeros(keys.shape[0], dtype=np.int64)
+    for j in range(keys.shape[1]):  # most significant first: lexicographic order of the rows
+        code = code * int(radix[j]) + keys[:, j]
+    return code
+
+
+def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, axis=0, return_counts=True)`` for int64 rows, the same rows in the same
+    (lexicographic) order; when rows fit one int64 code, a 1-D unique on the codes (several times
+    faster than the row sort on 10^5 tokens)."""
+    code = _row_codes(keys)
+    if code is None:
+        return np.unique(keys, axis=0, return_counts=True)
+    _, first, counts = np.unique(code, return_index=True, return_counts=True)
+    return keys[first], counts
+
+
+def unique_rows_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, axis=0, return_inverse=True)`` for int64 rows ``(R, W)``: ``(unique rows
+    (U, W) sorted, inverse (R,))``, by one int64 code per row when the rows fit one."""
+    code = _row_codes(keys)
+    if code is None:
+        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    return keys[first], inverse.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -312,6 +348,48 @@ def _split_nets(topk: np.ndarray, src_group: np.ndarray, src_dom: np.ndarray, va
     if n_val > 0:
         return nets(~is_val), nets(is_val), nets_all
     return nets_all, nets(np.zeros((dp, T), dtype=bool)), nets_all
+
+
+def sample_nets(nets: NetSet, max_nets: int, seed: int) -> NetSet:
+    """At most about ``max_nets`` nets whose weights estimate every map's crossings without bias.
+
+    Threshold sampling: with the smallest integer threshold ``tau`` for which the expected number
+    of kept nets ``sum(min(1, w / tau))`` is at most ``max_nets``, a net of weight ``w >= tau`` is
+    kept as it is, and a lighter one is kept with probability ``w / tau`` and then weighs ``tau``
+    (its expected weight is ``w``).  Crossings are linear in the weights, so the sample's crossings
+    of any fixed map are an unbiased estimate of the nets' own, and weights stay integers.  The
+    draw is seeded (one uniform per net, in the nets' sorted order): the same nets and seed give the
+    same sample.  Returns ``nets`` itself when it has at most ``max_nets`` nets.
+
+    Examples
+    --------
+    >>> nets = NetSet.aggregate(np.array([[0, 1]] * 5 + [[0, 2], [1, 2], [2, 3]]), np.zeros(8, int), np.zeros(8, int))
+    >>> s = sample_nets(nets, 2, seed=0)
+    >>> s.num_nets <= nets.num_nets and int(s.weight.max()) == 5
+    True
+    """
+    n = nets.num_nets
+    if n <= max(1, int(max_nets)):
+        return nets
+    w = nets.weight.astype(np.float64)
+    hi = max(int(w.max()) + 1, int(math.ceil(w.sum() / max(1, int(max_nets)))))  # tau = hi always fits
+    lo = 1
+    while lo < hi:  # smallest integer tau with sum(min(1, w / tau)) <= max_nets
+        mid = (lo + hi) // 2
+        if np.minimum(1.0, w / mid).sum() <= max_nets:
+            hi = mid
+        else:
+            lo = mid + 1
+    tau = lo
+    u = np.random.default_rng(seed).random(n)
+    keep = (w >= tau) | (u * tau < w)
+    weight = np.where(w >= tau, nets.weight, tau).astype(np.int64)
+    return NetSet(
+        experts=np.ascontiguousarray(nets.experts[keep]),
+        group=np.ascontiguousarray(nets.group[keep]),
+        src=np.ascontiguousarray(nets.src[keep]),
+        weight=np.ascontiguousarray(weight[keep]),
+    )
 
 
 def net_crossings(nets: NetSet, expert2class: np.ndarray, class_sig: np.ndarray, cost_mode: str) -> int:

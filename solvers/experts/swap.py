@@ -44,8 +44,10 @@ class SwapSearch:
         *,
         max_swaps: int = MAX_SWAPS,
         group_rounds: int = MAX_GROUP_ROUNDS,
+        should_stop: Callable[[], bool] | None = None,
     ) -> np.ndarray:
-        """Improve ``e2c`` until no improving move fits ``cap`` (G, C) or the swap budget is spent.
+        """Improve ``e2c`` until no improving move fits ``cap`` (G, C), the swap budget is spent or
+        ``should_stop()`` says so (then the map reached so far).
 
         A class already over its cap may not get worse (its cap is raised to its load).
         """
@@ -56,7 +58,9 @@ class SwapSearch:
         cap_eff = None if cap is None else np.maximum(cap, loads)  # never worsen a class already over
         swaps = 0
         for _ in range(max(1, group_rounds)):
-            swaps += self.kernel.run_swaps(e2c, loads, cap_eff, max_swaps - swaps)
+            swaps += self.kernel.run_swaps(e2c, loads, cap_eff, max_swaps - swaps, should_stop)
+            if should_stop is not None and should_stop():
+                break
             if not self.p.group_preserving or not self._group_move(e2c, cap_eff):
                 break
             loads = self.p.class_loads(e2c)
@@ -134,7 +138,7 @@ def iterated_local_search(
             break
         cur = best.copy()
         _kick(problem, cur, cap, rng, kick)
-        cand = search.run(cur, cap)
+        cand = search.run(cur, cap, should_stop=should_stop)
         v = search.cost(cand)
         if v < best_v:
             best, best_v = cand, v

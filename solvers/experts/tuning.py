@@ -18,6 +18,11 @@ __all__ = [
     "MAX_GROUP_ASSIGNMENTS",
     "SUBPROBLEM_MAX_FREE_EXPERTS",
     "MAX_REFINED_ASSIGNMENTS",
+    "SEARCH_SHARE",
+    "EXACT_S_PER_PAIR",
+    "SEARCH_S_PER_LINK",
+    "MIN_SEARCH_NETS",
+    "ANYTIME_GRACE_S",
 ]
 
 #: A class's load may exceed its proportional share of each EP group's (token, expert) pairs by this
@@ -60,3 +65,18 @@ SUBPROBLEM_MAX_FREE_EXPERTS = 20
 #: Assignments whose split-group bound is computed (lowest forced crossings first); the others keep
 #: their forced crossings as bound.
 MAX_REFINED_ASSIGNMENTS = 300
+#: Share of a layer's planned work (``solvers.experts.budget.layer_work_s``) meant for its search; the
+#: rest is slack for a loaded machine.
+SEARCH_SHARE = 0.6
+#: Wall seconds per sampled (token, expert) pair of what runs on all of a layer's nets whatever the
+#: search (aggregation, exact scoring of the candidates, balancing); sizes the search only.
+EXACT_S_PER_PAIR = 2e-6
+#: Wall seconds per (net, expert, class) link of a layer's search (swap search from every start, the
+#: layer's search, the refit); beyond the nets that fit, the search sees a seeded unbiased sample.
+SEARCH_S_PER_LINK = 5e-6
+#: The search always sees at least this many nets (or all of them).
+MIN_SEARCH_NETS = 2_000
+#: Layers stop their work this many seconds (at most a fifth of the time left) before the expert
+#: placer's deadline and return their best map so far, so that a process pool's results arrive before
+#: the parent stops waiting for them.
+ANYTIME_GRACE_S = 3.0

@@ -21,7 +21,7 @@ the lower class (the order of a branch and bound over that bound, which the rank
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -225,12 +225,14 @@ class NetSwapSearch:
                 ok &= (loads[g, a] + d <= cap[g, a]) & (loads[g, b] - d <= cap[g, b])
         return ok
 
-    def run_swaps(self, e2c: np.ndarray, loads: np.ndarray | None, cap: np.ndarray | None, max_swaps: int) -> int:
+    def run_swaps(self, e2c: np.ndarray, loads: np.ndarray | None, cap: np.ndarray | None, max_swaps: int,
+                  should_stop: Callable[[], bool] | None = None) -> int:
         """Apply best swaps to ``e2c`` (and ``loads`` (G, C), in place) from a fresh state until none
-        improves or ``max_swaps`` are done; returns the swaps made."""
+        improves, ``max_swaps`` are done or ``should_stop()`` (asked before each swap) says so; returns
+        the swaps made (``e2c`` is a valid map after each)."""
         self.init_state(e2c)
         swaps = 0
-        while swaps < max_swaps:
+        while swaps < max_swaps and not (should_stop is not None and should_stop()):
             best = self.best_swap(e2c, loads, cap)
             if best is None:
                 break
