@@ -39,7 +39,7 @@ from solvers.experts.balance import balance_ranks, rank_load_floor, rank_load_ra
 from solvers.experts.budget import LayerBudget, StopCheck
 from solvers.experts.cpsat_model import run_cpsat
 from solvers.experts.greedy import capped_greedy
-from solvers.experts.lower_bounds import bound_to_crossings, layer_lower_bound
+from solvers.experts.lower_bounds import REFINE_NET_BUDGET, bound_to_crossings, layer_lower_bound
 from solvers.experts.groups import group_search, num_group_assignments
 from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings
 from solvers.experts.swap import SwapSearch, iterated_local_search
@@ -235,7 +235,9 @@ def _final_bound(problem: LayerProblem, cap: np.ndarray, bound: int | None, cros
         if lp.bound is not None:
             bound = max(bound if bound is not None else 0, int(math.ceil(lp.bound - 1e-6)))
     if problem.cost_mode == "per_domain" and not (stop is not None and stop()):  # a bound on every layer
-        lb = layer_lower_bound(problem, problem.nets_all, cap, stop=stop)
+        # Where the search proved a bound (its group search refines the same relaxation), no refinements.
+        lb = layer_lower_bound(problem, problem.nets_all, cap, stop=stop,
+                               refine_net_budget=0 if bound is not None else REFINE_NET_BUDGET)
         details["lower_bound"] = lb.info
         bound = max(bound if bound is not None else 0, bound_to_crossings(lb.crossings))
     if bound is not None:
