@@ -76,7 +76,7 @@ LAGRANGIAN_WORK = 2_000_000
 #: layers 12 refinements raised the bound 0.6%, 61 raised it 1.2%, 244 raised it 2.0%.
 REFINE_NET_BUDGET = 100_000
 #: Assignments handled per vectorised chunk.
-_CHUNK = 256
+_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -210,15 +210,23 @@ class _GroupNets:
     weight: np.ndarray
 
 
+def _bits(rows: np.ndarray) -> np.ndarray:
+    """(n,) int64 bit mask of each boolean row of ``rows`` (n, P), P <= 62."""
+    return (rows.astype(np.int64) << np.arange(rows.shape[1], dtype=np.int64)[None, :]).sum(axis=1)
+
+
 def _group_nets(problem: LayerProblem, nets: NetSet) -> _GroupNets:
     N, k = nets.experts.shape
     P = problem.num_group_positions
     touch = np.zeros((N, P), dtype=bool)
     touch[np.repeat(np.arange(N), k), problem.expert2group[nets.experts.reshape(-1)]] = True
-    keys = np.column_stack([nets.group, nets.src, touch.astype(np.int64)])
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    # one int64 key per net: (EP group, source, touched bits), P <= 62 (checked by the caller)
+    key = (nets.group * problem.num_domains + nets.src) * (1 << P) + _bits(touch)
+    if P > 62 or int(key.max(initial=0)) >= 1 << 62:  # pragma: no cover - the caller refuses P > 62
+        raise ValueError("_group_nets: too many group positions for int64 keys")
+    uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
     w = np.bincount(inv.reshape(-1), weights=nets.weight.astype(np.float64), minlength=uniq.shape[0])
-    return _GroupNets(uniq[:, 2:].astype(bool), uniq[:, 0], uniq[:, 1], w)
+    return _GroupNets(touch[first], nets.group[first], nets.src[first], w)
 
 
 def _type_domains(problem: LayerProblem) -> np.ndarray:
@@ -278,20 +286,16 @@ def _disjoint_families(sets: np.ndarray, limit: int = 64) -> list[tuple[int, ...
     return out
 
 
-def _bits(rows: np.ndarray) -> np.ndarray:
-    """(n,) int64 bit mask of each boolean row of ``rows`` (n, P), P <= 62."""
-    return (rows.astype(np.int64) << np.arange(rows.shape[1], dtype=np.int64)[None, :]).sum(axis=1)
-
-
 def _forced_and_unmet(problem: LayerProblem, gn: _GroupNets, assign: np.ndarray,
-                      avoid: np.ndarray | None = None) -> np.ndarray:
+                      avoid: np.ndarray | None = None, stop: Callable[[], bool] | None = None) -> np.ndarray | None:
     """(A,) per assignment: the forced remote domains, plus the larger of two lower bounds on the
     domains split groups add (summed over nets): the packing of unmet split sets, and per domain
     ``d`` the largest over split groups ``p`` of "weight touching ``p`` with ``d`` neither forced nor
     the source, less what can avoid ``d``" (``avoid``, from :func:`_avoid_weights`).
 
     Expert groups touched and groups on a type are bit masks (at most 62 group positions), so a net
-    meets a set of groups when the AND of the masks is non-zero.
+    meets a set of groups when the AND of the masks is non-zero.  None when ``stop`` (polled between
+    chunks) says so: a minimum over part of the assignments is no bound.
     """
     tdom = _type_domains(problem)  # (G, T, D)
     A = assign.shape[0]
@@ -302,11 +306,14 @@ def _forced_and_unmet(problem: LayerProblem, gn: _GroupNets, assign: np.ndarray,
         if not sel.any():
             continue
         tb, wg, sg = _bits(gn.touch[sel])[:, None], gn.weight[sel], gn.src[sel]
+        wtouch = (gn.touch[sel] * wg[:, None]).T  # (P, m)
         single = tdom[g].sum(axis=1) == 1  # (T,) types on one domain (for this EP group)
         single_dom = tdom[g].argmax(axis=1)
         split = np.flatnonzero(~single)
         families = _disjoint_families(tdom[g, split]) if split.shape[0] > 1 else []
         for lo in range(0, A, _CHUNK):
+            if stop is not None and stop():
+                return None
             types = assign[lo: lo + _CHUNK]  # (a, P)
             a = types.shape[0]
             covered = []  # per domain (m, a): forced by a single-domain type, or the source
@@ -319,8 +326,8 @@ def _forced_and_unmet(problem: LayerProblem, gn: _GroupNets, assign: np.ndarray,
             for t in split:
                 on_t = (tb & _bits(types == t)[None, :]) != 0  # (m, a) touches a group on type t
                 met = np.zeros_like(on_t)
-                for d in np.flatnonzero(tdom[g, t]):
-                    met |= covered[d]
+                for dt in np.flatnonzero(tdom[g, t]):
+                    met |= covered[int(dt)]
                 unmet.append(on_t & ~met)
             extra = np.zeros((sg.shape[0], a))
             if unmet:
@@ -330,17 +337,17 @@ def _forced_and_unmet(problem: LayerProblem, gn: _GroupNets, assign: np.ndarray,
             by_domain = np.zeros(a)
             if avoid is not None and split.shape[0]:
                 best = np.zeros((D, a))  # per domain, the largest excess over split groups
-                for p in range(problem.num_group_positions):
-                    wp = wg * gn.touch[sel][:, p]
-                    if not wp.any():
+                for d in range(D):
+                    on_d = [t for t in split if tdom[g, t, d]]
+                    if not on_d:
                         continue
-                    for t in split:
-                        on = types[:, p] == t
-                        if not on.any():
-                            continue
-                        for d in np.flatnonzero(tdom[g, t]):
-                            excess = wp @ ~covered[d] - avoid[g, p, t, d]
-                            best[d] = np.maximum(best[d], np.where(on, excess, 0.0))
+                    unc = ~covered[d]
+                    # (P, a) weight touching p with d uncovered (row by row: a matrix product here
+                    # would start BLAS threads, which spin on a busy machine)
+                    reach = np.stack([wtouch[p] @ unc for p in range(wtouch.shape[0])])
+                    for t in on_d:
+                        excess = np.where(types.T == t, reach - avoid[g, :, t, d][:, None], 0.0)  # (P, a)
+                        best[d] = np.maximum(best[d], excess.max(axis=0))
                 by_domain = best.sum(axis=0)
             out[lo: lo + a] += wg @ forced_count + np.maximum(wg @ extra, by_domain)
     return out
@@ -358,14 +365,16 @@ def _assignments(mult: tuple[int, ...]) -> np.ndarray:
 def group_assignment_bound(problem: LayerProblem, nets: NetSet, *, refine_net_budget: int = REFINE_NET_BUDGET,
                            stop: Callable[[], bool] | None = None) -> LowerBound | None:
     """Lower bound on ``per_domain`` crossings of ``nets`` over every group-preserving map
-    (module docstring), or None when the layer has more than :data:`MAX_BOUND_ASSIGNMENTS` assignments.
+    (module docstring), or None when the layer has more than :data:`MAX_BOUND_ASSIGNMENTS` assignments
+    (or more than 62 group positions) or ``stop`` ended the enumeration.
 
     Parameters
     ----------
     problem : a group-preserving ``per_domain`` layer.
     nets : the tokens the bound is about.
     refine_net_budget : split-group refinements, in (assignment, net) evaluations.
-    stop : called between refinements; True ends them (the bound stays valid, only weaker).
+    stop : polled between chunks of assignments (True: None, no bound) and between refinements
+        (True ends them: the bound stays valid, only weaker).
     """
     if not problem.group_preserving or problem.cost_mode != "per_domain":
         raise ValueError("group_assignment_bound: needs a group-preserving per_domain layer")
@@ -376,7 +385,10 @@ def group_assignment_bound(problem: LayerProblem, nets: NetSet, *, refine_net_bu
         return LowerBound(0.0, {"assignment_crossings": 0.0, "assignments": n_assign})
     assign = _assignments(tuple(int(m) for m in problem.position_types[2]))
     gn = _group_nets(problem, nets)
-    lb = _forced_and_unmet(problem, gn, assign, _avoid_weights(problem, nets))
+    lb_or_none = _forced_and_unmet(problem, gn, assign, _avoid_weights(problem, nets), stop)
+    if lb_or_none is None:
+        return None
+    lb = lb_or_none
     first = float(lb.min())
     order = np.argsort(lb, kind="stable")
     max_refine = max(0, int(refine_net_budget) // max(1, nets.num_nets))
@@ -394,7 +406,7 @@ def group_assignment_bound(problem: LayerProblem, nets: NetSet, *, refine_net_bu
         best_refined = min(best_refined, lb[a])
         refined += 1
     value = float(lb.min())
-    info = {"assignments": n_assign, "aggregated_nets": int(gn.weight.shape[0]),
+    info: dict = {"assignments": n_assign, "aggregated_nets": int(gn.weight.shape[0]),
             "assignment_forced_crossings": round(first, 6), "assignment_refined": refined,
             "assignment_crossings": round(value, 6)}
     if cut:
@@ -434,8 +446,10 @@ def layer_lower_bound(problem: LayerProblem, nets: NetSet, cap: np.ndarray | Non
             info.update(gb.info)
             info["lower_bound_crossings"] = round(gb.crossings, 6)
             return LowerBound(gb.crossings, info)
-        info["assignments"] = num_group_assignments(problem)
-        info["assignment_skipped"] = f"more than {MAX_BOUND_ASSIGNMENTS} assignments"
+        n_assign = num_group_assignments(problem)
+        info["assignments"] = n_assign
+        info["assignment_skipped"] = (f"more than {MAX_BOUND_ASSIGNMENTS} assignments" if n_assign > MAX_BOUND_ASSIGNMENTS
+                                      or problem.num_group_positions > 62 else "deadline")
     lag = lagrangian_bound(problem, nets, cap, stop=stop)
     value = lag.crossings
     info.update(lag.info)
