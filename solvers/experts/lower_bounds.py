@@ -4,16 +4,17 @@ A ``per_domain`` net (weight ``w``, EP group ``g``, source domain ``s``, expert 
 ``w`` once per remote domain ``d != s`` that holds one of its experts: an OR over its experts.  The
 bounds here hold for every map with the layer's exact class capacities (so for every map within
 the load caps, and for the default map), and in group-preserving mode for every group-preserving
-map; :func:`layer_lower_bound` takes the largest that applies.
+map; :func:`layer_lower_bound` picks the one that applies (the group-assignment bound where the
+assignments can be enumerated, else the Lagrangian bound).
 
 Lagrangian bound (both modes, :func:`lagrangian_bound`)
     ``[S touches d] >= sum_e lam[n, e, d] [e in d]`` for any weights ``lam[n, ., d]`` on the
     simplex over the net's experts (a maximum is at least any average).  With ``lam`` fixed the
     cost is linear in the expert -> class map, and its minimum over exact class capacities is a
     transportation problem solved exactly (:func:`solvers.kernels.assign_to_counts`), once more with
-    the load caps as an LP (:mod:`solvers.experts.bounds`).  Every ``lam`` gives a bound; a fixed
-    number of dual steps moves weight onto the experts the last minimiser put remote, and the best
-    value is kept.  Its supremum over ``lam`` is the LP relaxation ``y[n, d] >= x[e, c]``, which is
+    the load caps as an LP (:mod:`solvers.experts.bounds`).  Every ``lam`` gives a bound; a
+    counted number of multiplicative-weights steps on the supergradient moves weight onto the
+    experts the last minimiser put in each domain, and the best value is kept.  Its supremum over ``lam`` is the LP relaxation ``y[n, d] >= x[e, c]``, which is
     weak here (an LP spreads every expert thinly over the classes); HiGHS on that LP took 40-155 s
     per ``dsv3_1024`` layer for the same value, so it is not used.
 
@@ -24,14 +25,19 @@ Group-assignment bound (group-preserving mode, :func:`group_assignment_bound`)
     ``d``; a net touching a group on a split type touches one domain of that type's set, so each
     such set not met by the forced domains or the source needs one more remote domain, and a
     family of pairwise disjoint unmet sets needs one each (a hitting set is at least a packing).
-    Nets are aggregated by (EP group, source, expert groups touched), so this runs on every
+    Or, per domain ``d``: a net touching a split group ``p`` avoids ``d`` only if its experts of
+    ``p`` all sit in the type's slots outside ``d``, so of the weight touching ``p`` with ``d``
+    neither forced nor the source, all but what fits there (:func:`_avoid_weights`) pays for ``d``;
+    the larger of the two totals counts.  Nets are aggregated by (EP group, source, expert groups touched), so this runs on every
     assignment at once; the lowest ones are then raised by the split-group relaxation of
     :func:`solvers.experts.groups._split_bound`.  The bound is the minimum over all assignments.
     Layers with more than :data:`MAX_BOUND_ASSIGNMENTS` assignments get the Lagrangian bound only.
 
 Budgets are counted in work units (assignments times aggregated nets, dual steps, refinements),
 never in seconds, so the same layer gives the same bound on a busy or an idle machine; a deadline
-ends the refinement early (still a bound) and is reported.
+ends the dual steps or the refinements early (still a bound) or the enumeration (then no group
+bound), and is reported.  No matrix products: BLAS threads spin on a busy machine (they cost 4x
+the CPU here), so products are vector by matrix.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ __all__ = [
     "layer_lower_bound",
     "bound_to_crossings",
     "LAGRANGIAN_STEPS",
+    "LAGRANGIAN_STEP",
     "LAGRANGIAN_WORK",
     "MAX_BOUND_ASSIGNMENTS",
     "REFINE_NET_BUDGET",
@@ -72,8 +79,8 @@ MAX_BOUND_ASSIGNMENTS = 60_000
 #: ``min(LAGRANGIAN_STEPS, LAGRANGIAN_WORK // (pairs * domains))``, at least one.
 LAGRANGIAN_WORK = 2_000_000
 #: Split-group refinements of the group-assignment bound: at most this many (assignment, net)
-#: evaluations per layer (12 assignments of a ``dsv3`` layer's 8,192 nets).  On ``dsv3_ep256``
-#: layers 12 refinements raised the bound 0.6%, 61 raised it 1.2%, 244 raised it 2.0%.
+#: evaluations per layer (12 assignments of a ``dsv3`` layer's 8,192 nets).  On a ``dsv3_ep256``
+#: layer they raise the bound 0.5% (16,544 -> 16,628 crossings) for about 15% more CPU time.
 REFINE_NET_BUDGET = 100_000
 #: Assignments handled per vectorised chunk.
 _CHUNK = 1024
