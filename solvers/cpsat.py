@@ -220,8 +220,10 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         from placement.cost import evaluate
 
         placement = step_check.pop("return_placement")
-        status, bound_bytes = "feasible", None
+        status = "feasible"
         objective_bytes = float(evaluate(instance, placement).cross_domain_bytes_per_step)
+        if bound_bytes is not None:  # a bound over the layout's maps and the returned placement
+            bound_bytes = min(bound_bytes, objective_bytes)
         log.warning("cpsat: the solved expert maps predict a slower step than %s; returning it "
                     "(details['step_time_check'])", step_check["returned"])
     params = {

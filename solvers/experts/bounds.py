@@ -15,9 +15,11 @@ Adding the per-class load caps (``sum_e load[g, e] x[e, c] <= cap[g, c]``) break
 every map within the caps (exact when the LP solution happens to be integral, which it reports).
 Group-preserving maps are a subset of all maps, so both bounds hold for them too.
 
-``per_domain`` has no such structure (its natural LP relaxation ``y[n, d] >= x[e, c]`` is weak); the
-bound there is CP-SAT's ``best_objective_bound`` (:mod:`solvers.experts.cpsat_model`), and :func:`sum_bounds` adds
-per-layer bounds into a bound for the whole layout (bytes), if every layer has one.
+``per_domain`` has no such structure (its natural LP relaxation ``y[n, d] >= x[e, c]`` is weak): its
+bounds are the search's (CP-SAT's ``best_objective_bound``, the group search's enumeration) and those
+of :mod:`solvers.experts.lower_bounds` (a Lagrangian bound on every layer, a group-assignment bound on
+group-preserving ones), the largest kept.  :func:`sum_bounds` adds per-layer bounds into a bound for
+the whole layout (bytes), if every layer has one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from scipy.sparse import csr_matrix
 from solvers.experts.problem import LayerProblem, NetSet, linear_costs
 from solvers.kernels import assign_to_counts
 
-__all__ = ["ClassBound", "transport_optimum", "per_pair_class_bound", "sum_bounds"]
+__all__ = ["ClassBound", "transport_optimum", "transport_lp", "per_pair_class_bound", "sum_bounds"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,16 @@ def _lp(cost: np.ndarray, capacity: np.ndarray, load: np.ndarray | None, cap: np
     xs = res.x.reshape(E, C)
     integral = bool(np.all(np.minimum(np.abs(xs), np.abs(1.0 - xs)) < 1e-7))
     return ClassBound(float(res.fun), integral, xs.argmax(axis=1).astype(np.int64) if integral else None)
+
+
+def transport_lp(cost: np.ndarray, capacity: np.ndarray, load: np.ndarray | None = None,
+                 cap: np.ndarray | None = None) -> ClassBound:
+    """LP optimum of the expert -> class assignment with linear ``cost`` (E, C), exact class
+    ``capacity`` (C,) and, when given, per-EP-group load caps ``load (G, E) @ x[:, c] <= cap[g, c]``.
+
+    A lower bound on every integral assignment within the caps (exact when the LP is integral).
+    """
+    return _lp(cost, capacity, load, cap)
 
 
 def per_pair_class_bound(problem: LayerProblem, nets: NetSet, cap: np.ndarray | None) -> ClassBound:

@@ -39,6 +39,7 @@ from solvers.experts.balance import balance_ranks, rank_load_floor, rank_load_ra
 from solvers.experts.budget import LayerBudget, StopCheck
 from solvers.experts.cpsat_model import run_cpsat
 from solvers.experts.greedy import capped_greedy
+from solvers.experts.lower_bounds import REFINE_NET_BUDGET, bound_to_crossings, layer_lower_bound
 from solvers.experts.groups import group_search, num_group_assignments
 from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings, sample_nets
 from solvers.experts.swap import SwapSearch, iterated_local_search
@@ -281,14 +282,21 @@ def _choose(search: _LayerSearch, candidates: dict[str, np.ndarray], table: dict
 
 
 def _final_bound(problem: LayerProblem, cap: np.ndarray, bound: int | None, crossings: int, default_ok: bool,
-                 default_all: int, details: dict) -> int | None:
-    """The layer's bound: the search's, raised by the transport LP (``per_pair``), within the search
-    space (the maps within the caps plus the default map), never above the answer."""
+                 default_all: int, details: dict, stop: StopCheck | None = None) -> int | None:
+    """The layer's bound: the search's, raised by the transport LP (``per_pair``) or by
+    :func:`solvers.experts.lower_bounds.layer_lower_bound` (``per_domain``), within the search space
+    (the maps within the caps plus the default map), never above the answer."""
     if problem.cost_mode == "per_pair":
         lp = per_pair_class_bound(problem, problem.nets_all, cap)
         details["transport_lp_bound_crossings"] = None if lp.bound is None else round(lp.bound, 6)
         if lp.bound is not None:
             bound = max(bound if bound is not None else 0, int(math.ceil(lp.bound - 1e-6)))
+    if problem.cost_mode == "per_domain" and not (stop is not None and stop()):  # a bound on every layer
+        # Where the search proved a bound (its group search refines the same relaxation), no refinements.
+        lb = layer_lower_bound(problem, problem.nets_all, cap, stop=stop,
+                               refine_net_budget=0 if bound is not None else REFINE_NET_BUDGET)
+        details["lower_bound"] = lb.info
+        bound = max(bound if bound is not None else 0, bound_to_crossings(lb.crossings))
     if bound is not None:
         if not default_ok:
             bound = min(bound, default_all)
@@ -362,7 +370,7 @@ def solve_layer(
         details["validation_winner"] = winner
     details["runs"] = search.runs
     crossings = search.score(final, every)
-    bound = _final_bound(problem, cap, bound, crossings, default_ok, table["default"]["all"], details)
+    bound = _final_bound(problem, cap, bound, crossings, default_ok, table["default"]["all"], details, search.stop)
     proved = bound is not None and bound == crossings
     # Step 2: GPUs.
     slots = balance_ranks(problem, final)
