@@ -267,8 +267,10 @@ def solve(
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
         this process (CPU affinity, capped by a cgroup CPU quota).
     consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher.
-    group_preserving : only group-preserving expert permutations; ``None``: when the model's
-        routing is group-limited.
+    group_preserving : only group-preserving expert permutations; ``None``:
+        :func:`solvers.base.group_preserving_default` (on under group-limited routing with
+        ``layout="optimize"``, the checkpoint permutation's rule; off with ``layout="fixed"``, whose
+        serving consumers map logical to physical experts themselves).
     objective : ``step_time`` (default: predicted step time, bytes break ties; ``total`` on an
         instance without a ``performance`` block), ``total`` cross-domain bytes or the
         ``bottleneck`` (slowest stage's busiest NIC).

@@ -384,7 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--workers", type=int, default=None, help="solver workers (default: the cores available)")
     so.add_argument("--consumer", default="none", choices=CONSUMERS, help="layout rule of the dispatcher")
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
-                    help="only group-preserving expert permutations (auto: when routing is group-limited)")
+                    help="only group-preserving expert permutations. auto (default): on under group-limited routing "
+                         "with --layout optimize (training: the checkpoint permutation that export --format "
+                         "megatron|torchtitan|maxtext writes must keep groups whole), off with --layout fixed "
+                         "(serving: SGLang and vLLM map logical to physical experts themselves) or without "
+                         "group-limited routing")
+    so.add_argument("--free", dest="group_preserving", action="store_const", const="off",
+                    help="same as --group-preserving off: any expert map, for consumers that apply the map at dispatch "
+                         "time (placement.runtime hooks for Megatron-Core and TorchTitan, SGLang, vLLM)")
     so.add_argument("--objective", default="step_time", choices=OBJECTIVES,
                     help="step_time (default): fastest predicted step (the performance model on the evaluator's "
                          "metrics, bytes break ties; total when the instance has no performance block); total: fewest cross-domain bytes with no stage slower than the default layout's "

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_GROUP_ASSIGNMENTS",
     "SUBPROBLEM_MAX_FREE_EXPERTS",
     "MAX_REFINED_ASSIGNMENTS",
+    "USE_KAHYPAR_START",
 ]
 
 #: A class's load may exceed its proportional share of each EP group's (token, expert) pairs by this
@@ -60,3 +61,7 @@ SUBPROBLEM_MAX_FREE_EXPERTS = 20
 #: Assignments whose split-group bound is computed (lowest forced crossings first); the others keep
 #: their forced crossings as bound.
 MAX_REFINED_ASSIGNMENTS = 300
+#: Also start the swap search from Mt-KaHyPar's partition (the ``peers`` extra) when installed.  Off:
+#: the multilevel coarsening start (no extra) matched it on the real routing instances, and with it
+#: off a placement does not depend on whether the extra is installed (``docs/experts.md``).
+USE_KAHYPAR_START = False
