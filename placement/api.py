@@ -364,8 +364,13 @@ def export_placement(
     placement_path: str | os.PathLike[str],
     output_path: str | os.PathLike[str],
     instance_path: str | os.PathLike[str] | None = None,
+    *,
+    keep_router: bool = False,
 ) -> dict[Path, str]:
     """Check a placement file and write it, atomically, in a format a stack reads.
+
+    ``keep_router`` (megatron, torchtitan): a permutation for the dispatch-time map of
+    :mod:`placement.runtime`, which may break expert groups.
 
     ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, vllm-ascend, megatron,
     torchtitan, slurm, hybridep, maxtext); every format but vllm needs the instance.  Returns
@@ -381,7 +386,7 @@ def export_placement(
     """
     from placement.export import export_file
 
-    return export_file(fmt, placement_path, output_path, instance_path)
+    return export_file(fmt, placement_path, output_path, instance_path, keep_router=keep_router)
 
 
 class Interrupted(KeyboardInterrupt):

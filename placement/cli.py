@@ -254,7 +254,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LaunchWarning)
-        files = export_file(args.format, args.placement, args.output, args.instance)
+        files = export_file(args.format, args.placement, args.output, args.instance, keep_router=args.keep_router)
     for w in caught:
         if issubclass(w.category, LaunchWarning):
             print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
@@ -407,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", required=True, choices=FORMATS, help="target stack (docs/formats.md)")
     ex.add_argument("-o", "--output", required=True, help="output file (written atomically)")
     ex.add_argument("--instance", help="the instance file the placement was solved for (required except for vllm)")
+    ex.add_argument("--keep-router", action="store_true",
+                    help="megatron/torchtitan: a permutation for the dispatch-time map (placement.runtime hooks; permute "
+                         "the checkpoint with --keep-router), which may break expert groups (solve with --free)")
 
     from placement.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, SOURCES
 

@@ -42,7 +42,7 @@ __all__ = ["LNS_DET_PER_ROUND", "LNS_MAX_ROUNDS", "LNS_FREE_EXPERTS", "LNS_MAX_G
 LNS_DET_PER_ROUND = 0.15
 #: Most rounds per search.
 LNS_MAX_ROUNDS = 40
-#: Experts freed per round (free mode; at most half the layer's experts).
+#: Experts freed per round (free mode); a layer with at most this many experts is freed whole.
 LNS_FREE_EXPERTS = 20
 #: Expert groups freed per round (group-preserving mode).
 LNS_MAX_GROUPS = 3
@@ -80,10 +80,12 @@ def _grow(W: np.ndarray, seed_expert: int, size: int, allowed: np.ndarray) -> li
 
 def neighbourhood(problem: LayerProblem, W: np.ndarray, incumbent: np.ndarray, kind: str,
                   rng: np.random.Generator, size: int) -> np.ndarray:
-    """(E,) bool: the experts a round frees (module docstring), at least two classes among them."""
+    """(E,) bool: the experts a round frees (module docstring); all of them when ``size >= E``."""
     E, C = problem.num_experts, problem.num_classes
     free = np.zeros(E, dtype=bool)
-    if kind == "coactivation":
+    if size >= E:  # a small layer: the whole model
+        free[:] = True
+    elif kind == "coactivation":
         e0 = int(rng.integers(E))
         free[_grow(W, e0, size, np.ones(E, dtype=bool))] = True
     else:
@@ -134,7 +136,7 @@ def lns_search(
         return LnsResult(best, best_v, facts)
     W = coactivation_graph(nets, E)
     rng = np.random.default_rng(seed)
-    size = int(min(LNS_FREE_EXPERTS, max(2, E // 2)))
+    size = E if E <= LNS_FREE_EXPERTS else LNS_FREE_EXPERTS
     cut = False
     run_count = 0
     for r in range(rounds):
