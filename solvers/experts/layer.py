@@ -3,11 +3,13 @@
 Step 1, experts -> classes (the cross-domain part), on the *fit* tokens:
     a. the greedy (:mod:`solvers.experts.greedy`) at the smallest load tolerance with a feasible map;
     b. the swap search (:class:`solvers.experts.swap.SwapSearch`) from the greedy, the default map,
-       the map the rank layout was scored with, and in free mode a start that keeps the model's
-       expert groups whole;
+       the map the rank layout was scored with, in free mode a start that keeps the model's
+       expert groups whole, and the multilevel co-activation start
+       (:func:`solvers.experts.coarsen.coarsen_start`);
     c. the layer's search: group-preserving mode, :func:`solvers.experts.groups.group_search`;
        free mode, the CP-SAT model (:mod:`solvers.experts.cpsat_model`) when its deterministic budget
-       fits the model's size, else a seeded iterated local search.
+       fits the model's size, else a seeded iterated local search and then, when the budget holds a
+       round, the CP-SAT large-neighbourhood search (:func:`solvers.experts.lns.lns_search`).
 Step 2, experts -> GPUs inside each class (and group position): :func:`solvers.experts.balance.balance_ranks`.
 Step 3, guard against fitting the sample: each source's sampled tokens are split by index into a
     fit part (the first 3/4) and a validation part (the last 1/4).  The default map, the swap
@@ -145,10 +147,10 @@ class _LayerSearch:
                               f"({links} links)", "iterated_local_search": iters}
             # Large-neighbourhood search (solvers.experts.lns) from the local search's map, on the budget.
             if det >= LNS_DET_PER_ROUND:
-                r = lns_search(self.problem, nets, self.cap, m, deterministic_time=det, seed=self.budget.seed,
-                               stop=self.stop, wall_factor=self.budget.wall_factor, options=self.options)
-                self.runs[key]["lns"] = r.facts
-                m = r.expert2class
+                lns = lns_search(self.problem, nets, self.cap, m, deterministic_time=det, seed=self.budget.seed,
+                                 stop=self.stop, wall_factor=self.budget.wall_factor, options=self.options)
+                self.runs[key]["lns"] = lns.facts
+                m = lns.expert2class
             return m, None, False
         return self._cpsat(nets, incumbent, det, key)
 
