@@ -60,8 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             base = CLASS_LOAD_TOLERANCE_GROUP_PRESERVING if p.group_preserving else CLASS_LOAD_TOLERANCE
             tol, greedy = _tolerance_ladder(p, cost, base)
             cap = p.load_cap(tol)
-            starts = {n: m for n, m in _starts(p, cap, greedy, cost, inst.model.num_groups, None)
-                      if n != "coarsened"}
+            starts = dict(_starts(p, cap, greedy, cost, inst.model.num_groups, None, coactivation=False))
             timed: dict[str, tuple[np.ndarray, float]] = {n: (m, 0.0) for n, m in starts.items()}
             t0 = time.monotonic()
             m = coarsen_start(p, fit, cap, cost)

@@ -170,10 +170,11 @@ class _LayerSearch:
 
 
 def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, cost_fit: np.ndarray,
-            model_groups: int, hint_phy2log: np.ndarray | None, seed: int = 0) -> list[tuple[str, np.ndarray]]:
+            model_groups: int, hint_phy2log: np.ndarray | None, seed: int = 0,
+            coactivation: bool = True) -> list[tuple[str, np.ndarray]]:
     """Starting points for the local search, in a fixed order: the greedy, the default map, in free mode
-    a start keeping the model's expert groups whole, the co-activation starts, and the layout's map
-    (when it fits)."""
+    a start keeping the model's expert groups whole, the co-activation starts (with ``coactivation``),
+    and the layout's map (when it fits)."""
     E = problem.num_experts
     starts: list[tuple[str, np.ndarray]] = []
     if greedy is not None:
@@ -188,10 +189,10 @@ def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, c
             starts.append(("group_structured", gstart))
     # Starts that see co-activation (solvers.experts.coarsen): the multilevel coarsening, and Mt-KaHyPar's
     # partition where USE_KAHYPAR_START is set and the extra is installed.
-    coarse = coarsen_start(problem, problem.nets_fit, cap, cost_fit)
+    coarse = coarsen_start(problem, problem.nets_fit, cap, cost_fit) if coactivation else None
     if coarse is not None:
         starts.append(("coarsened", coarse))
-    if USE_KAHYPAR_START:
+    if USE_KAHYPAR_START and coactivation:
         part = kahypar_start(problem, problem.nets_fit, cap, cost_fit, seed=seed)
         if part is not None:
             starts.append(("kahypar", part))
@@ -300,7 +301,10 @@ def solve_layer(
     details["search"] = "group_search" if search.use_groups else "cpsat_or_ils"
     default = problem.default_expert2class
     default_ok = problem.within_caps(default, cap)
-    starts = _starts(problem, cap, greedy, cost_fit, model_groups, hint_phy2log, budget.seed)
+    # The co-activation starts where the search is not the group enumeration (which tries every
+    # group -> position-type assignment with swap restarts of its own).
+    starts = _starts(problem, cap, greedy, cost_fit, model_groups, hint_phy2log, budget.seed,
+                     coactivation=not search.use_groups)
     # Step 1b: local search from every start; keep the best on the fit part.
     ls_name, ls_map = _best_polished(search, starts)
     details["local_search_start"] = ls_name
