@@ -218,3 +218,31 @@ def test_lns_stops_at_once_past_its_deadline():
     r = lns_search(p, p.nets_fit, cap, p.default_expert2class, deterministic_time=5.0, seed=0,
                    stop=StopCheck(time.monotonic() - 1))
     assert r.facts["rounds_run"] == 0 and np.array_equal(r.expert2class, p.default_expert2class)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mode when nothing is said, and the overrides
+# ---------------------------------------------------------------------------------------------
+def test_group_preserving_default_follows_the_consumer_route(tiny):
+    from placement.cli import build_parser
+    from solvers.base import SolveOptions, group_preserving_default
+
+    assert tiny.model.group_limited
+    assert group_preserving_default(tiny, "optimize") and not group_preserving_default(tiny, "fixed")
+    assert SolveOptions(layout="optimize").group_preserving_for(tiny)
+    assert not SolveOptions(layout="fixed").group_preserving_for(tiny)
+    assert SolveOptions(layout="fixed", group_preserving=True).group_preserving_for(tiny)  # explicit wins
+    assert not SolveOptions(layout="optimize", group_preserving=False).group_preserving_for(tiny)
+    free = random_instance(np.random.default_rng(0), num_groups=2, groups_per_token=2)  # not group-limited
+    assert not group_preserving_default(free, "optimize")
+    parse = build_parser().parse_args
+    assert parse(["solve", "x.json", "--free"]).group_preserving == "off"
+    assert parse(["solve", "x.json"]).group_preserving == "auto"
+    assert parse(["solve", "x.json", "--group-preserving", "on"]).group_preserving == "on"
+
+
+def test_fixed_layout_solves_free_maps_by_default(tiny):
+    import placement
+
+    result = placement.solve(tiny, solver="cpsat", time_limit_s=20, seed=0, num_workers=1, layout="fixed")
+    assert result.details["group_preserving"] is False
