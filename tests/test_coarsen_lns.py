@@ -205,7 +205,7 @@ def test_neighbourhoods_free_whole_groups_in_group_preserving_mode():
     p = _problem(5, group_preserving=True, num_experts=32, ep=8)
     W = coactivation_graph(p.nets_fit, p.num_experts)
     rng = np.random.default_rng(0)
-    for kind in ("coactivation", "classes"):
+    for kind in ("coactivation", "classes", "triple"):
         free = neighbourhood(p, W, p.default_expert2class, kind, rng, 6)
         groups = np.unique(p.expert2group[free])
         assert groups.shape[0] >= 2

@@ -9,7 +9,9 @@ the incumbent as a complete hint; a better answer becomes the incumbent.  Neighb
   (:func:`solvers.experts.coarsen.coactivation_graph`), whatever their class: a clique of experts
   chosen together that the swap search cannot pull into one class a pair at a time;
 - ``classes``: two classes (seeded rng), and from each the experts with the most co-selection weight
-  towards the other class.
+  towards the other class;
+- ``triple``: the same with three classes (two where the layer has two), so that cycles of moves
+  over three classes, which no swap makes, are in reach.
 
 In group-preserving mode a neighbourhood is a set of whole expert groups (the groups of the
 co-activation set's experts, or the groups holding the two classes' experts, up to
@@ -46,6 +48,9 @@ LNS_MAX_ROUNDS = 40
 LNS_FREE_EXPERTS = 20
 #: Expert groups freed per round (group-preserving mode).
 LNS_MAX_GROUPS = 3
+
+
+_KINDS = ("coactivation", "classes", "triple")
 
 
 @dataclass
@@ -89,12 +94,14 @@ def neighbourhood(problem: LayerProblem, W: np.ndarray, incumbent: np.ndarray, k
         e0 = int(rng.integers(E))
         free[_grow(W, e0, size, np.ones(E, dtype=bool))] = True
     else:
-        a, b = (int(x) for x in rng.choice(C, size=2, replace=False))
-        for mine, other in ((a, b), (b, a)):
+        n = 3 if kind == "triple" and C >= 3 else 2
+        chosen = [int(x) for x in rng.choice(C, size=n, replace=False)]
+        for mine in chosen:
             members = np.flatnonzero(incumbent == mine)
-            pull = W[np.ix_(members, np.flatnonzero(incumbent == other))].sum(axis=1)
+            others = np.flatnonzero(np.isin(incumbent, [c for c in chosen if c != mine]))
+            pull = W[np.ix_(members, others)].sum(axis=1)
             order = members[np.lexsort((members, -pull))]
-            free[order[: max(1, size // 2)]] = True
+            free[order[: max(1, size // n)]] = True
     if problem.group_preserving:
         groups = np.unique(problem.expert2group[free])
         if groups.shape[0] > LNS_MAX_GROUPS:
@@ -143,7 +150,7 @@ def lns_search(
         if stop():
             facts["stopped"] = "deadline"
             break
-        kind = "coactivation" if r % 2 == 0 else "classes"
+        kind = _KINDS[r % len(_KINDS)]
         free = neighbourhood(problem, W, best, kind, rng, size)
         fixed = np.where(free, -1, best)
         wall = min(wall_factor * det / DET_PER_WALL_S, stop.wall_left_s())
