@@ -8,8 +8,8 @@ Step 1, experts -> classes (the cross-domain part), on the *fit* tokens:
        (:func:`solvers.experts.coarsen.coarsen_start`);
     c. the layer's search: group-preserving mode, :func:`solvers.experts.groups.group_search`;
        free mode, the CP-SAT model (:mod:`solvers.experts.cpsat_model`) when its deterministic budget
-       fits the model's size, else a seeded iterated local search and then, when the budget holds a
-       round, the CP-SAT large-neighbourhood search (:func:`solvers.experts.lns.lns_search`).
+       fits the model's size, else a seeded iterated local search and then, with a budget of at
+       least ``LNS_MIN_DET``, the CP-SAT large-neighbourhood search (:func:`solvers.experts.lns.lns_search`).
 Step 2, experts -> GPUs inside each class (and group position): :func:`solvers.experts.balance.balance_ranks`.
 Step 3, guard against fitting the sample: each source's sampled tokens are split by index into a
     fit part (the first 3/4) and a validation part (the last 1/4).  The default map, the swap
@@ -43,7 +43,7 @@ from solvers.experts.coarsen import coarsen_start, kahypar_start
 from solvers.experts.cpsat_model import run_cpsat
 from solvers.experts.greedy import capped_greedy
 from solvers.experts.groups import group_search, num_group_assignments
-from solvers.experts.lns import LNS_DET_PER_ROUND, lns_search
+from solvers.experts.lns import LNS_MIN_DET, lns_search
 from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings
 from solvers.experts.swap import SwapSearch, iterated_local_search
 from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CPSAT_DET_PER_LINK, DET_PER_WALL_S, MAX_GROUP_ASSIGNMENTS, \
@@ -146,7 +146,7 @@ class _LayerSearch:
             self.runs[key] = {"status": "SKIPPED", "reason": f"budget {det:.3g} below the model's need "
                               f"({links} links)", "iterated_local_search": iters}
             # Large-neighbourhood search (solvers.experts.lns) from the local search's map, on the budget.
-            if det >= LNS_DET_PER_ROUND:
+            if det >= LNS_MIN_DET:
                 lns = lns_search(self.problem, nets, self.cap, m, deterministic_time=det, seed=self.budget.seed,
                                  stop=self.stop, wall_factor=self.budget.wall_factor, options=self.options)
                 self.runs[key]["lns"] = lns.facts

@@ -18,6 +18,9 @@ co-activation set's experts, or the groups holding the two classes' experts, up 
 :data:`LNS_MAX_GROUPS`): the sub-model then chooses their group positions and their experts' classes
 together.
 
+The search runs only with at least :data:`LNS_MIN_DET` of deterministic time and ends after
+:data:`LNS_PATIENCE` rounds in a row without an improvement.
+
 Deterministic: every round gets the same deterministic time (the layer's budget divided by the
 round count, a function of the budget only), the CP-SAT seed is the layer's seed plus the round, and
 the rng is seeded; the wall clock only cuts (``wall_clock_cut`` in the facts).  The incumbent never
@@ -37,11 +40,17 @@ from solvers.experts.cpsat_model import run_cpsat
 from solvers.experts.problem import LayerProblem, NetSet, net_crossings
 from solvers.experts.tuning import DET_PER_WALL_S
 
-__all__ = ["LNS_DET_PER_ROUND", "LNS_MAX_ROUNDS", "LNS_FREE_EXPERTS", "LNS_MAX_GROUPS", "LnsResult",
+__all__ = ["LNS_DET_PER_ROUND", "LNS_MIN_DET", "LNS_PATIENCE", "LNS_MAX_ROUNDS", "LNS_FREE_EXPERTS", "LNS_MAX_GROUPS", "LnsResult",
            "lns_rounds", "neighbourhood", "lns_search"]
 
 #: Deterministic time per round the round count aims at (the rounds share the layer's budget).
 LNS_DET_PER_ROUND = 0.15
+#: The search runs only with at least this much deterministic time (a search phase's budget): on the
+#: committed instances its rounds did not improve the swap search's local optima at small budgets,
+#: and under heavy load the time they took made other layers miss the deadline (``docs/experts.md``).
+LNS_MIN_DET = 1.0
+#: The search ends after this many rounds in a row without an improvement.
+LNS_PATIENCE = 4
 #: Most rounds per search.
 LNS_MAX_ROUNDS = 40
 #: Experts freed per round (free mode); a layer with at most this many experts is freed whole.
@@ -146,9 +155,13 @@ def lns_search(
     size = E if E <= LNS_FREE_EXPERTS else LNS_FREE_EXPERTS
     cut = False
     run_count = 0
+    idle = 0
     for r in range(rounds):
         if stop():
             facts["stopped"] = "deadline"
+            break
+        if idle >= LNS_PATIENCE:
+            facts["stopped"] = f"{LNS_PATIENCE} rounds without an improvement"
             break
         kind = _KINDS[r % len(_KINDS)]
         free = neighbourhood(problem, W, best, kind, rng, size)
@@ -161,11 +174,13 @@ def lns_search(
                         fixed=fixed, options=options)
         run_count += 1
         cut = cut or run.wall_clock_cut
+        idle += 1
         if run.expert2class is None:
             continue
         v = net_crossings(nets, run.expert2class, problem.class_sig, problem.cost_mode)
         if v < best_v and problem.within_caps(run.expert2class, cap):
             best, best_v = run.expert2class.copy(), v
             facts["improved_rounds"].append(r)
+            idle = 0
     facts.update(rounds_run=run_count, crossings=best_v, wall_clock_cut=cut)
     return LnsResult(best, best_v, facts)
