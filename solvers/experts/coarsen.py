@@ -11,9 +11,9 @@ Multilevel coarsening (:func:`coarsen_start`, the default start, no extra needed
 1. The co-selection graph of the fit nets (:func:`coactivation_graph`): edge ``(e, f)`` weighs
    ``sum_n w_n / (k_n - 1)`` over the nets ``n`` holding both (the clique expansion that keeps every
    net's total weight).
-2. Heavy-edge matching, level by level (:func:`matching_levels`): the heaviest edge between two
-   unmatched nodes first (ties: lowest ids), then the leftovers in id order, so every node of a
-   level has the same size ``2^l``; down to the largest power of two dividing every class capacity
+2. Heavy-edge matching, level by level (:func:`matching_levels`): nodes by their heaviest edge,
+   each taking its heaviest unmatched neighbour (ties: lowest ids), then the leftovers in id order,
+   so every node of a level has the same size ``2^l``; down to the largest power of two dividing every class capacity
    (at most :data:`MAX_COARSE_SIZE`).
 3. The coarsest nodes go to classes by the exact counts kernel (:func:`solvers.kernels.assign_to_counts`,
    each class receives ``capacity / size`` nodes) on the summed linear proxy.
@@ -85,21 +85,26 @@ def coactivation_graph(nets: NetSet, num_experts: int) -> np.ndarray:
 
 
 def _match(W: np.ndarray) -> np.ndarray:
-    """(V,) pair index of every node: heaviest edges first (ties lowest ids), leftovers in id order.
+    """(V,) pair index of every node by heavy-edge matching; ``V`` must be even.
 
-    ``V`` must be even.  Pair ids are numbered in order of each pair's lowest node.
+    Nodes are visited by their heaviest edge, heaviest first (ties: lowest id); an unmatched node
+    takes its heaviest unmatched neighbour (ties: lowest id); nodes left without a neighbour of
+    positive weight are paired in id order.  Pair ids are numbered in order of each pair's lowest node.
     """
     V = W.shape[0]
-    iu, ju = np.triu_indices(V, 1)
-    w = W[iu, ju]
-    order = np.lexsort((ju, iu, -w))  # heaviest first, then lowest (i, j)
     mate = np.full(V, -1, dtype=np.int64)
-    for t in order:
-        if w[t] <= 0:
-            break
-        i, j = int(iu[t]), int(ju[t])
-        if mate[i] < 0 and mate[j] < 0:
-            mate[i], mate[j] = j, i
+    free = np.ones(V, dtype=bool)
+    for u in np.lexsort((np.arange(V), -W.max(axis=1))).tolist():
+        if not free[u]:
+            continue
+        free[u] = False
+        row = np.where(free, W[u], 0.0)
+        v = int(np.argmax(row))
+        if row[v] <= 0:
+            free[u] = True
+            continue
+        free[v] = False
+        mate[u], mate[v] = v, u
     left = np.flatnonzero(mate < 0)
     for a, b in zip(left[0::2], left[1::2]):
         mate[a], mate[b] = b, a
@@ -127,9 +132,9 @@ def matching_levels(W: np.ndarray, levels: int) -> list[np.ndarray]:
     for _ in range(levels):
         V = Wv.shape[0]
         pair = _match(Wv)
-        P = np.zeros((V, V // 2))
-        P[np.arange(V), pair] = 1.0
-        Wv = P.T @ Wv @ P
+        H = V // 2  # W of the pairs: sum over their members (no BLAS: it contends for cores under load)
+        Wv = np.bincount((pair[:, None] * H + pair[None, :]).reshape(-1), weights=Wv.reshape(-1),
+                         minlength=H * H).reshape(H, H)
         np.fill_diagonal(Wv, 0.0)
         e2v = pair[e2v]
         out.append(e2v.copy())
@@ -197,10 +202,10 @@ def _coarsest_size(problem: LayerProblem) -> int:
 def to_valid_map(problem: LayerProblem, target: np.ndarray, cap: np.ndarray, cost: np.ndarray) -> np.ndarray | None:
     """``target`` (E,) if it meets the layer's structure and ``cap``; else the nearest map that does.
 
-    Nearest: an assignment charging each expert a large constant for leaving its ``target`` class plus
-    the linear proxy ``cost`` (E, C) as the tie-break, under the load prices of
-    :func:`solvers.experts.greedy.capped_greedy` (group-preserving mode: expert groups kept whole).
-    None when no map within ``cap`` is found.
+    Nearest: an assignment charging each expert a constant for leaving its ``target`` class plus the
+    linear proxy ``cost`` (E, C), under the load prices of :func:`solvers.experts.greedy.capped_greedy`
+    (group-preserving mode: expert groups kept whole); the constant is 4, then 0.5, then 0.1 times the
+    largest proxy cost, until a map within the caps is found.  None when none is.
     """
     target = np.asarray(target, dtype=np.int64)
     if is_structurally_valid(problem, target) and problem.within_caps(target, cap):
@@ -208,7 +213,11 @@ def to_valid_map(problem: LayerProblem, target: np.ndarray, cap: np.ndarray, cos
     scale = float(np.abs(cost).max()) + 1.0
     away = np.ones((problem.num_experts, problem.num_classes))
     away[np.arange(problem.num_experts), target] = 0.0
-    return capped_greedy(problem, cost + 4.0 * scale * away, cap)
+    for weight in (4.0, 0.5, 0.1):  # softer pulls towards the target until the load prices can fit the caps
+        m = capped_greedy(problem, cost + weight * scale * away, cap)
+        if m is not None:
+            return m
+    return None
 
 
 def coarsen_start(problem: LayerProblem, nets: NetSet, cap: np.ndarray, cost: np.ndarray) -> np.ndarray | None:
