@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -31,10 +32,41 @@ import numpy as np  # noqa: E402
 from placement.formats import read_instance  # noqa: E402
 from solvers.default import default_rank2gpu  # noqa: E402
 from solvers.experts.coarsen import coarsen_start, kahypar_available, kahypar_start  # noqa: E402
-from solvers.experts.layer import _starts, _tolerance_ladder  # noqa: E402
-from solvers.experts.problem import build_layer_problem, linear_costs  # noqa: E402
+from solvers.experts import capped_greedy  # noqa: E402
+from solvers.experts.problem import LayerProblem, build_layer_problem, linear_costs  # noqa: E402
 from solvers.experts.swap import SwapSearch  # noqa: E402
 from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CLASS_LOAD_TOLERANCE_GROUP_PRESERVING  # noqa: E402
+
+
+def _ladder(p: LayerProblem, cost: np.ndarray, base: float) -> tuple[float, np.ndarray | None]:
+    """The layer's load tolerance as the solver sets it: base, 2 base, ... up to the default's excess."""
+    default_tol = p.load_excess(p.default_expert2class)
+    tol = base
+    while tol < default_tol:
+        e2c = capped_greedy(p, cost, p.load_cap(tol))
+        if e2c is not None:
+            return tol, e2c
+        tol *= 2.0
+    tol = max(base, default_tol)
+    return tol, capped_greedy(p, cost, p.load_cap(tol))
+
+
+def _plain_starts(p: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, cost: np.ndarray,
+                  model_groups: int) -> dict[str, np.ndarray]:
+    """The solver's starts before the co-activation ones: the greedy, the default map (within the caps)
+    and, in free mode, the start keeping the model's expert groups whole."""
+    out: dict[str, np.ndarray] = {}
+    if greedy is not None:
+        out["greedy"] = greedy
+    if p.within_caps(p.default_expert2class, cap):
+        out["default"] = p.default_expert2class
+    E = p.num_experts
+    if not p.group_preserving and model_groups > 1 and E % model_groups == 0:
+        gp = dataclasses.replace(p, group_preserving=True, expert_group_size=E // model_groups)
+        m = capped_greedy(gp, cost, cap)
+        if m is not None:
+            out["group_structured"] = m
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,9 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             fit, val = p.nets_fit, p.nets_val
             cost = linear_costs(p, fit)
             base = CLASS_LOAD_TOLERANCE_GROUP_PRESERVING if p.group_preserving else CLASS_LOAD_TOLERANCE
-            tol, greedy = _tolerance_ladder(p, cost, base)
+            tol, greedy = _ladder(p, cost, base)
             cap = p.load_cap(tol)
-            starts = dict(_starts(p, cap, greedy, cost, inst.model.num_groups, None, coactivation=False))
+            starts = _plain_starts(p, cap, greedy, cost, inst.model.num_groups)
             timed: dict[str, tuple[np.ndarray, float]] = {n: (m, 0.0) for n, m in starts.items()}
             t0 = time.monotonic()
             m = coarsen_start(p, fit, cap, cost)
