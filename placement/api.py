@@ -273,8 +273,10 @@ def solve(
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
         this process (CPU affinity, capped by a cgroup CPU quota).
     consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher.
-    group_preserving : only group-preserving expert permutations; ``None``: when the model's
-        routing is group-limited.
+    group_preserving : only group-preserving expert permutations; ``None``:
+        :func:`solvers.base.group_preserving_default` (on under group-limited routing with
+        ``layout="optimize"``, the checkpoint permutation's rule; off with ``layout="fixed"``, whose
+        serving consumers map logical to physical experts themselves).
     objective : ``step_time`` (default: predicted step time, bytes break ties; ``total`` on an
         instance without a ``performance`` block), ``total`` cross-domain bytes or the
         ``bottleneck`` (slowest stage's busiest NIC).
@@ -431,8 +433,13 @@ def export_placement(
     placement_path: str | os.PathLike[str],
     output_path: str | os.PathLike[str],
     instance_path: str | os.PathLike[str] | None = None,
+    *,
+    keep_router: bool = False,
 ) -> dict[Path, str]:
     """Check a placement file and write it, atomically, in a format a stack reads.
+
+    ``keep_router`` (megatron, torchtitan): a permutation for the dispatch-time map of
+    :mod:`placement.runtime`, which may break expert groups.
 
     ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, vllm-ascend, megatron,
     torchtitan, slurm, hybridep, maxtext); every format but vllm needs the instance.  Returns
@@ -448,7 +455,7 @@ def export_placement(
     """
     from placement.export import export_file
 
-    return export_file(fmt, placement_path, output_path, instance_path)
+    return export_file(fmt, placement_path, output_path, instance_path, keep_router=keep_router)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -317,7 +317,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LaunchWarning)
-        files = export_file(args.format, args.placement, args.output, args.instance)
+        files = export_file(args.format, args.placement, args.output, args.instance, keep_router=args.keep_router)
     for w in caught:
         if issubclass(w.category, LaunchWarning):
             print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
@@ -453,7 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--workers", type=int, default=None, help="solver workers (default: the cores available)")
     so.add_argument("--consumer", default="none", choices=CONSUMERS, help="layout rule of the dispatcher")
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
-                    help="only group-preserving expert permutations (auto: when routing is group-limited)")
+                    help="only group-preserving expert permutations. auto (default): on under group-limited routing "
+                         "with --layout optimize (training: the checkpoint permutation that export --format "
+                         "megatron|torchtitan|maxtext writes must keep groups whole), off with --layout fixed "
+                         "(serving: SGLang and vLLM map logical to physical experts themselves) or without "
+                         "group-limited routing")
+    so.add_argument("--free", dest="group_preserving", action="store_const", const="off",
+                    help="same as --group-preserving off: any expert map, for consumers that apply the map at dispatch "
+                         "time (placement.runtime hooks for Megatron-Core and TorchTitan, SGLang, vLLM)")
     so.add_argument("--objective", default="step_time", choices=OBJECTIVES,
                     help="step_time (default): fastest predicted step (the performance model on the evaluator's "
                          "metrics, bytes break ties; total when the instance has no performance block); total: fewest cross-domain bytes with no stage slower than the default layout's "
@@ -490,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", required=True, choices=FORMATS, help="target stack (docs/formats.md)")
     ex.add_argument("-o", "--output", required=True, help="output file (written atomically)")
     ex.add_argument("--instance", help="the instance file the placement was solved for (required except for vllm)")
+    ex.add_argument("--keep-router", action="store_true",
+                    help="megatron/torchtitan: a permutation for the dispatch-time map (placement.runtime hooks; permute "
+                         "the checkpoint with --keep-router), which may break expert groups (solve with --free)")
 
     from placement.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, SOURCES
 

@@ -331,7 +331,8 @@ def parse_vllm_ascend_expert_map(doc: dict | str) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Megatron-Core / TorchTitan checkpoint permutation
 # ---------------------------------------------------------------------------------------------
-def expert_permutation(instance: Instance, placement: Placement, stack: Literal["megatron", "torchtitan"]) -> dict:
+def expert_permutation(instance: Instance, placement: Placement, stack: Literal["megatron", "torchtitan"], *,
+                       keep_router: bool = False) -> dict:
     """Per MoE layer the permutation to apply offline to a ``stack`` checkpoint.
 
     Neither Megatron-Core nor TorchTitan reads an expert map: expert ``j`` always lives on EP rank
@@ -339,18 +340,27 @@ def expert_permutation(instance: Instance, placement: Placement, stack: Literal[
     new expert ``p`` takes old expert ``layers[l][p]`` (``phy2log``), for the expert weights, the
     router weight rows and the per-expert bias together (:mod:`placement.checkpoint`).
 
+    With ``keep_router`` the document is for the dispatch-time map instead (the checkpoint moves the
+    experts only, ``keep_router=True``, and :mod:`placement.runtime` maps logical to physical ids):
+    any permutation is then valid, and the document's ``group_preserving`` says whether it keeps
+    groups whole (:mod:`placement.checkpoint` refuses a group-breaking one without ``keep_router``).
+
     Raises
     ------
     InfeasibleError
-        When the model uses group-limited routing and a layer's permutation moves an expert to
-        another group (that would change which experts a token may reach).
+        Without ``keep_router``, when the model uses group-limited routing and a layer's permutation
+        moves an expert to another group (that would change which experts a token may reach).
     """
     m = instance.model
     p2l = np.asarray(placement.phy2log, dtype=np.int64)
-    breaks = require_whole_groups(
-        p2l, m, f"{stack}: the model routes within {m.groups_per_token} of {m.num_groups} expert groups, so a "
-        f"checkpoint permutation must keep groups whole",
-    )
+    if keep_router:
+        breaks = group_breaks(p2l, m.num_experts, m.num_groups)
+    else:
+        breaks = require_whole_groups(
+            p2l, m, f"{stack}: the model routes within {m.groups_per_token} of {m.num_groups} expert groups, so a "
+            f"checkpoint permutation must keep groups whole (or export with --keep-router for the dispatch-time "
+            f"map of placement.runtime)",
+        )
     return {
         "kind": PERMUTATION_KIND,
         "version": PERMUTATION_VERSION,
@@ -565,10 +575,13 @@ def parse_env_text(text: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
-def export_text(fmt: str, placement: Placement, instance: Instance | None) -> str:
-    """The file contents of ``fmt`` for a placement already checked against ``instance``."""
+def export_text(fmt: str, placement: Placement, instance: Instance | None, *, keep_router: bool = False) -> str:
+    """The file contents of ``fmt`` for a placement already checked against ``instance``
+    (``keep_router``: see :func:`expert_permutation`; megatron and torchtitan only)."""
     if fmt not in FORMATS:
         raise InvalidInputError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
+    if keep_router and fmt not in ("megatron", "torchtitan"):
+        raise InvalidInputError(f"--keep-router: only for --format megatron or torchtitan, not {fmt}")
     if instance is None:
         if fmt not in _WITHOUT_INSTANCE:
             raise InvalidInputError(f"--instance: format {fmt} needs the instance (layer indices, hosts, domains)")
@@ -587,7 +600,7 @@ def export_text(fmt: str, placement: Placement, instance: Instance | None) -> st
     if fmt == "vllm-ascend":
         return _json_text(vllm_ascend_expert_map(instance, placement))
     if fmt in ("megatron", "torchtitan"):
-        return _json_text(expert_permutation(instance, placement, fmt))
+        return _json_text(expert_permutation(instance, placement, fmt, keep_router=keep_router))
     if fmt == "slurm":
         return slurm_hostfile_text(instance, placement)
     if fmt == "maxtext":
@@ -649,8 +662,13 @@ def export_file(
     placement_path: str | os.PathLike,
     output_path: str | os.PathLike,
     instance_path: str | os.PathLike | None = None,
+    *,
+    keep_router: bool = False,
 ) -> dict[Path, str]:
     """Check, convert and atomically write ``placement_path`` as ``fmt`` to ``output_path``.
+
+    ``keep_router`` (megatron, torchtitan): a permutation for the dispatch-time map
+    (:func:`expert_permutation`).
 
     ``slurm`` also writes the per-host GPU file (:func:`slurm_gpus_path`) and the launcher script
     (:func:`placement.launch.launcher_path`, executable) beside the hostfile, and warns with
@@ -674,7 +692,7 @@ def export_file(
             "(any other string is parsed as inline JSON); name the output *.json"
         )
     instance, placement, _ = load_for_export(placement_path, instance_path)
-    files = {out: export_text(fmt, placement, instance)}
+    files = {out: export_text(fmt, placement, instance, keep_router=keep_router)}
     if fmt == "slurm" and instance is not None:
         from placement.launch import launcher_path, launcher_script, torchrun_problem
 

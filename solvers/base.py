@@ -37,6 +37,7 @@ __all__ = [
     "SolveResult",
     "Solver",
     "default_workers",
+    "group_preserving_default",
     "call_on_stop",
     "heuristic_result",
 ]
@@ -87,7 +88,8 @@ class SolveOptions:
     consumer : layout rule the rank placement must obey (``deepep``/``hybridep``: equal
         consecutive slices of each EP group per NVLink domain).
     group_preserving : only group-preserving expert permutations (required for checkpoint
-        permutations under group-limited routing); ``None`` = the model's routing decides.
+        permutations under group-limited routing); ``None``: :func:`group_preserving_default`
+        (group-limited routing and ``layout="optimize"``).
     objective : ``step_time`` (the default): the predicted step time of
         :class:`placement.performance.StepTimeModel` on the evaluator's metrics, bytes as the
         tie-break (the rank layout ranks the candidates of both byte objectives by it; an instance
@@ -145,13 +147,38 @@ class SolveOptions:
         return max(0.0, self.resolved_deadline() - time.monotonic())
 
     def group_preserving_for(self, instance: Instance) -> bool:
+        """Whether this solve keeps expert groups whole: :attr:`group_preserving` when given, else
+        :func:`group_preserving_default`."""
         if self.group_preserving is None:
-            return instance.model.group_limited
+            return group_preserving_default(instance, self.layout)
         return self.group_preserving
 
     def report(self, message: str) -> None:
         if self.progress is not None:
             self.progress(message)
+
+
+def group_preserving_default(instance: Instance, layout: LayoutMode) -> bool:
+    """The expert-map mode when the caller says nothing (``group_preserving=None``, ``--group-preserving auto``).
+
+    Group preservation matters only under group-limited routing; there it is needed exactly where the
+    map is applied by renumbering the checkpoint (router included), and not where the consumer maps
+    logical experts to physical slots at dispatch time:
+
+    - ``layout="fixed"`` (serving: SGLang's ``--init-expert-location``, vLLM's expert maps, whose
+      launchers fix the ranks): they map logical -> physical natively, so any map is valid: free.
+    - ``layout="optimize"`` (training: Megatron-Core, TorchTitan, MaxText read no expert map): the
+      plain route is ``placement export --format megatron|torchtitan|maxtext`` and the checkpoint
+      permutation, which must keep groups whole: group-preserving.  With the dispatch-time map of
+      :mod:`placement.runtime` (Megatron-Core and TorchTitan, ``keep_router=True``) any map is valid;
+      ask for it with ``group_preserving=False`` (``--free``).
+
+    Examples
+    --------
+    ``group_preserving_default(dsv3, "optimize")`` is True, ``group_preserving_default(dsv3, "fixed")``
+    is False, and both are False for a model without group-limited routing.
+    """
+    return bool(instance.model.group_limited and layout == "optimize")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ def _keeps_groups(phy2log: np.ndarray, num_experts: int, num_groups: int) -> boo
 @pytest.mark.parametrize("mode", ["per_domain", "per_pair"])
 def test_cpsat_on_tiny_is_valid_scored_by_the_evaluator_and_bounded(tiny, mode):
     inst = tiny.with_cost_mode(mode)
-    result = placement.solve(inst, solver="cpsat", time_limit_s=20, seed=0, num_workers=1, layout="fixed")
+    # group_preserving on: with layout="fixed" the default is free (serving consumers map experts themselves)
+    result = placement.solve(inst, solver="cpsat", time_limit_s=20, seed=0, num_workers=1, layout="fixed",
+                             group_preserving=True)
     pl = result.placement
     assert check(inst, pl) == []
     assert np.array_equal(pl.rank2gpu, default_rank2gpu(inst))  # --layout fixed keeps the default layout
@@ -41,7 +43,7 @@ def test_cpsat_on_tiny_is_valid_scored_by_the_evaluator_and_bounded(tiny, mode):
     assert (result.status == "optimal") == proved
     if proved:
         assert result.bound_bytes == pytest.approx(result.objective_bytes)
-    # group-limited routing: group preservation is on by default and holds
+    # group preservation asked for: it holds
     assert result.group_preserving and _keeps_groups(pl.phy2log, inst.model.num_experts, inst.model.num_groups)
     for d in layers:  # never worse than the default on the validation part
         if d["status"] != "trivial":

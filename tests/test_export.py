@@ -441,3 +441,24 @@ def _tiny_pair():
 
     tiny = _read(INSTANCES / "tiny.json")
     return tiny, default_placement(tiny)
+
+
+@pytest.mark.parametrize("stack", ["megatron", "torchtitan"])
+def test_keep_router_exports_a_group_breaking_map_that_only_the_dispatch_time_route_applies(tiny, stack):
+    from placement.permutation import check_permutation, read_expert_permutation
+
+    rng = np.random.default_rng(9)
+    while True:
+        p2l = random_expert_map(rng, tiny, preserving=False)
+        if ex.group_breaks(p2l, tiny.model.num_experts, tiny.model.num_groups):
+            break
+    doc = ex.expert_permutation(tiny, Placement(default_rank2gpu(tiny), p2l), stack, keep_router=True)
+    assert doc["group_limited"] and not doc["group_preserving"]
+    layers, _ = read_expert_permutation(doc)
+    np.testing.assert_array_equal(np.stack([layers[i] for i in tiny.model.moe_layers]), p2l)
+    # the checkpoint tool applies it only with keep_router (router left logical for placement.runtime)
+    with pytest.raises(InfeasibleError, match="across groups"):
+        check_permutation(0, layers[tiny.model.moe_layers[0]], tiny.model.num_groups)
+    check_permutation(0, layers[tiny.model.moe_layers[0]], 1)  # what permute_entries(keep_router=True) checks
+    with pytest.raises(InvalidInputError, match="--keep-router"):
+        ex.export_text("sglang", Placement(default_rank2gpu(tiny), p2l), tiny, keep_router=True)

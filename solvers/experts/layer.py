@@ -3,11 +3,13 @@
 Step 1, experts -> classes (the cross-domain part), on the *fit* tokens:
     a. the greedy (:mod:`solvers.experts.greedy`) at the smallest load tolerance with a feasible map;
     b. the swap search (:class:`solvers.experts.swap.SwapSearch`) from the greedy, the default map,
-       the map the rank layout was scored with, and in free mode a start that keeps the model's
-       expert groups whole;
+       the map the rank layout was scored with, in free mode a start that keeps the model's
+       expert groups whole, and the multilevel co-activation start
+       (:func:`solvers.experts.coarsen.coarsen_start`);
     c. the layer's search: group-preserving mode, :func:`solvers.experts.groups.group_search`;
        free mode, the CP-SAT model (:mod:`solvers.experts.cpsat_model`) when its deterministic budget
-       fits the model's size, else a seeded iterated local search.
+       fits the model's size, else a seeded iterated local search and then, with a budget of at
+       least ``LNS_MIN_DET``, the CP-SAT large-neighbourhood search (:func:`solvers.experts.lns.lns_search`).
 Step 2, experts -> GPUs inside each class (and group position): :func:`solvers.experts.balance.balance_ranks`.
 Step 3, guard against fitting the sample: each source's sampled tokens are split by index into a
     fit part (the first 3/4) and a validation part (the last 1/4).  The default map, the swap
@@ -37,13 +39,16 @@ from solvers.base import SolveOptions
 from solvers.experts.bounds import per_pair_class_bound
 from solvers.experts.balance import balance_ranks, rank_load_floor, rank_load_ratio
 from solvers.experts.budget import LayerBudget, StopCheck
+from solvers.experts.coarsen import coarsen_start, kahypar_start
 from solvers.experts.cpsat_model import run_cpsat
 from solvers.experts.greedy import capped_greedy
 from solvers.experts.lower_bounds import REFINE_NET_BUDGET, bound_to_crossings, layer_lower_bound
 from solvers.experts.groups import group_search, num_group_assignments
+from solvers.experts.lns import LNS_MIN_DET, lns_search
 from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings, sample_nets
 from solvers.experts.swap import SwapSearch, iterated_local_search
-from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CPSAT_DET_PER_LINK, DET_PER_WALL_S, MAX_GROUP_ASSIGNMENTS
+from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CPSAT_DET_PER_LINK, DET_PER_WALL_S, MAX_GROUP_ASSIGNMENTS, \
+    USE_KAHYPAR_START
 from solvers.experts.windows import part_windows, robust_search, robust_value
 
 __all__ = ["LayerOutcome", "solve_layer"]
@@ -196,6 +201,12 @@ class _LayerSearch:
                                       should_stop=self.stop)
             self.runs[key] = {"status": "SKIPPED", "reason": f"budget {det:.3g} below the model's need "
                               f"({links} links)", "iterated_local_search": iters}
+            # Large-neighbourhood search (solvers.experts.lns) from the local search's map, on the budget.
+            if det >= LNS_MIN_DET:
+                lns = lns_search(self.problem, nets, self.cap, m, deterministic_time=det, seed=self.budget.seed,
+                                 stop=self.stop, wall_factor=self.budget.wall_factor, options=self.options)
+                self.runs[key]["lns"] = lns.facts
+                m = lns.expert2class
             return m, None, False
         return self._cpsat(nets, incumbent, det, key)
 
@@ -215,9 +226,11 @@ class _LayerSearch:
 
 
 def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, cost_fit: np.ndarray,
-            model_groups: int, hint_phy2log: np.ndarray | None) -> list[tuple[str, np.ndarray]]:
+            model_groups: int, hint_phy2log: np.ndarray | None, seed: int = 0,
+            coactivation: bool = True) -> list[tuple[str, np.ndarray]]:
     """Starting points for the local search, in a fixed order: the greedy, the default map, in free mode
-    a start keeping the model's expert groups whole, and the layout's map (when it fits)."""
+    a start keeping the model's expert groups whole, the co-activation starts (with ``coactivation``),
+    and the layout's map (when it fits)."""
     E = problem.num_experts
     starts: list[tuple[str, np.ndarray]] = []
     if greedy is not None:
@@ -230,6 +243,15 @@ def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, c
         gstart = capped_greedy(gp, cost_fit, cap)
         if gstart is not None:
             starts.append(("group_structured", gstart))
+    # Starts that see co-activation (solvers.experts.coarsen): the multilevel coarsening, and Mt-KaHyPar's
+    # partition where USE_KAHYPAR_START is set and the extra is installed.
+    coarse = coarsen_start(problem, problem.nets_fit, cap, cost_fit) if coactivation else None
+    if coarse is not None:
+        starts.append(("coarsened", coarse))
+    if USE_KAHYPAR_START and coactivation:
+        part = kahypar_start(problem, problem.nets_fit, cap, cost_fit, seed=seed)
+        if part is not None:
+            starts.append(("kahypar", part))
     if hint_phy2log is not None and np.array_equal(np.sort(hint_phy2log), np.arange(E)):
         h = np.empty(E, dtype=np.int64)
         h[np.asarray(hint_phy2log, dtype=np.int64)] = problem.slot2class  # expert at slot p: p's class
@@ -346,7 +368,10 @@ def solve_layer(
     details["search"] = "group_search" if search.use_groups else "cpsat_or_ils"
     default = problem.default_expert2class
     default_ok = problem.within_caps(default, cap)
-    starts = _starts(problem, cap, greedy, cost_fit, model_groups, hint_phy2log)
+    # The co-activation starts where the search is not the group enumeration (which tries every
+    # group -> position-type assignment with swap restarts of its own).
+    starts = _starts(problem, cap, greedy, cost_fit, model_groups, hint_phy2log, budget.seed,
+                     coactivation=not search.use_groups)
     # Step 1b: local search from every start; keep the best on the fit part.
     ls_name, ls_map = _best_polished(search, starts)
     details["local_search_start"] = ls_name

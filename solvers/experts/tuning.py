@@ -23,6 +23,7 @@ __all__ = [
     "SEARCH_S_PER_LINK",
     "MIN_SEARCH_NETS",
     "ANYTIME_GRACE_S",
+    "USE_KAHYPAR_START",
 ]
 
 #: A class's load may exceed its proportional share of each EP group's (token, expert) pairs by this
@@ -80,3 +81,7 @@ MIN_SEARCH_NETS = 2_000
 #: placer's deadline and return their best map so far, so that a process pool's results arrive before
 #: the parent stops waiting for them.
 ANYTIME_GRACE_S = 3.0
+#: Also start the swap search from Mt-KaHyPar's partition (the ``peers`` extra) when installed.  Off:
+#: the multilevel coarsening start (no extra) matched it on the real routing instances, and with it
+#: off a placement does not depend on whether the extra is installed (``docs/experts.md``).
+USE_KAHYPAR_START = False
