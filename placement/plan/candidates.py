@@ -17,6 +17,8 @@ A candidate is ``(tp, cp, pp, vpp, ep, dp, micro_batch)`` and its stage layer sp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,6 +28,10 @@ import numpy as np
 
 from placement.model import InvalidInputError
 from placement.performance import layer_flops_per_token
+
+if TYPE_CHECKING:  # pragma: no cover
+    from placement.plan.job import Job
+
 
 __all__ = [
     "Candidate",
@@ -72,7 +78,7 @@ class Candidate:
 class CandidateSpace:
     """The sizes to try; ``None`` = every value the constraints allow (see the module docstring)."""
 
-    tp: tuple[int, ...] | None = (1, 2)
+    tp: tuple[int, ...] | None = (1,)  # tensor-parallel communication is not in the step-time model
     cp: tuple[int, ...] | None = (1,)
     pp: tuple[int, ...] | None = tuple(range(1, 33))
     vpp: tuple[int, ...] | None = (1, 2)
@@ -110,12 +116,12 @@ def parse_candidates(spec: str, base: CandidateSpace = DEFAULT_SPACE) -> Candida
 
 
 # ---------------------------------------------------------------------------------------------
-def _layer_costs(job: object) -> tuple[np.ndarray, float]:
+def _layer_costs(job: Job) -> tuple[np.ndarray, float]:
     """(num_layers,) compute of each layer per token (FLOPs), and the last stage's extra (MTP + heads)."""
-    m = job.model  # type: ignore[attr-defined]
-    arch = job.performance.architecture  # type: ignore[attr-defined]
+    m = job.model
+    arch = job.performance.architecture
     moe = set(m.moe_layers)
-    seq = job.seq_len  # type: ignore[attr-defined]
+    seq = job.seq_len
     costs = np.array([sum(layer_flops_per_token(arch, m.hidden_size, seq, m.top_k, i in moe)) for i in range(m.num_layers)])
     last = sum(layer_flops_per_token(arch, m.hidden_size, seq, m.top_k, (m.num_layers - 1) in moe))
     h = m.hidden_size
@@ -124,12 +130,12 @@ def _layer_costs(job: object) -> tuple[np.ndarray, float]:
 
 
 @lru_cache(maxsize=1024)
-def _split_cached(job: object, pp: int, vpp: int) -> tuple[tuple[int, ...], ...] | None:
-    m = job.model  # type: ignore[attr-defined]
+def _split_cached(job: Job, pp: int, vpp: int) -> tuple[tuple[int, ...], ...] | None:
+    m = job.model
     L = m.num_layers
     if pp > L:
         return None
-    mtp = job.performance.architecture.mtp_num_layers  # type: ignore[attr-defined]
+    mtp = job.performance.architecture.mtp_num_layers
     costs, extra = _layer_costs(job)
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
 
@@ -179,7 +185,7 @@ def _split_cached(job: object, pp: int, vpp: int) -> tuple[tuple[int, ...], ...]
     return tuple(tuple(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def stage_split(job: object, pp: int, vpp: int) -> tuple[tuple[int, ...], ...] | None:
+def stage_split(job: Job, pp: int, vpp: int) -> tuple[tuple[int, ...], ...] | None:
     """The layer split over ``pp`` stages (see the module docstring), or None when none exists."""
     return _split_cached(job, pp, vpp)
 
@@ -201,7 +207,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_candidates(job: object, free_gpus: int, usable_bytes: float, space: CandidateSpace = DEFAULT_SPACE,
+def enumerate_candidates(job: Job, free_gpus: int, usable_bytes: float, space: CandidateSpace = DEFAULT_SPACE,
                          *, min_tokens: int | None = None) -> tuple[Enumeration, dict[str, object]]:
     """Every candidate of ``space`` with ``world <= free_gpus``, sorted by key, and their memory.
 
@@ -212,16 +218,16 @@ def enumerate_candidates(job: object, free_gpus: int, usable_bytes: float, space
     from placement.plan.memory import memory_estimate
     from placement.plan.skeleton import stage_model
 
-    m = job.model  # type: ignore[attr-defined]
-    arch = job.performance.architecture  # type: ignore[attr-defined]
-    seq, gb = job.seq_len, job.global_batch  # type: ignore[attr-defined]
+    m = job.model
+    arch = job.performance.architecture
+    seq, gb = job.seq_len, job.global_batch
     E = m.num_experts
     tps = space.tp or tuple(d for d in _divisors(arch.num_attention_heads) if d <= 64)
     cps = space.cp or tuple(d for d in _divisors(seq) if d <= 64)
     pps = space.pp or tuple(range(1, m.num_layers + 1))
     vpps = space.vpp or (1, 2, 4)
     eps = space.ep or tuple(_divisors(E))
-    mbs = space.micro_batch or job.micro_batches  # type: ignore[attr-defined]
+    mbs = space.micro_batch or job.micro_batches
     infeasible: dict[str, int] = {}
     examples: dict[str, str] = {}
     feasible: list[Candidate] = []

@@ -256,7 +256,7 @@ def _routing_source(where: Path, doc: dict, model: dict) -> RoutingSource:
         if (m.num_moe_layers, m.num_experts, m.top_k) != (L, model["num_experts"], model["top_k"]):
             raise _fail(where, "routing.instance", f"{rel}: its model's MoE layers, experts or top_k differ from the job's")
         return RoutingSource("instance", {}, inst.routing.tokens_per_source, inst.routing.heldout_topk.shape[2] if inst.routing.heldout_topk is not None else 0, str(path))
-    g = dict(r["generator"])
+    g: dict[str, Any] = dict(r["generator"])
     fn = g.pop("function", GENERATOR_FUNCTION)
     if fn != GENERATOR_FUNCTION:
         raise _fail(where, "routing.generator.function", f"expected {GENERATOR_FUNCTION}, found {fn!r}")
@@ -279,8 +279,8 @@ def _routing_source(where: Path, doc: dict, model: dict) -> RoutingSource:
         raise _fail(where, "routing.generator.window_fit", "only windows 0 (fit) and 1 (held out) are supported")
     if g["num_sources"] < 1 or g["tokens_per_source"] < 1:
         raise _fail(where, "routing.generator.tokens_per_source", "expected num_sources and tokens_per_source >= 1")
-    fit = g.get("fit_tokens_per_source", g["tokens_per_source"])
-    held = g.get("heldout_tokens_per_source", g["tokens_per_source"])
+    fit = int(g.get("fit_tokens_per_source", g["tokens_per_source"]))
+    held = int(g.get("heldout_tokens_per_source", g["tokens_per_source"]))
     if not (1 <= fit <= g["tokens_per_source"] and 1 <= held <= g["tokens_per_source"]):
         raise _fail(where, "routing.generator.fit_tokens_per_source", "fit and held-out tokens must be in [1, tokens_per_source]")
     if g["num_sources"] * g["tokens_per_source"] * L * model["top_k"] > 2**26:
@@ -310,7 +310,15 @@ def read_job(path: str | os.PathLike[str]) -> Job:
     _check_instance_semantics(fake, where)
     performance = _performance({"performance": perf})
     tr = doc.get("training", {})
-    training = Training(**{k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in tr.items()})
+    defaults = Training()
+    training = Training(
+        param_bytes=float(tr.get("param_bytes", defaults.param_bytes)),
+        grad_bytes=float(tr.get("grad_bytes", defaults.grad_bytes)),
+        master_param_bytes=float(tr.get("master_param_bytes", defaults.master_param_bytes)),
+        optimizer_state_bytes=float(tr.get("optimizer_state_bytes", defaults.optimizer_state_bytes)),
+        distributed_optimizer=bool(tr.get("distributed_optimizer", defaults.distributed_optimizer)),
+        recompute=tr.get("recompute", defaults.recompute),
+    )
     b = doc["batch"]
     mbs = tuple(b["micro_batch"])
     if len(set(mbs)) != len(mbs):

@@ -33,9 +33,15 @@ less the cluster file's reserve.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 from placement.performance import StepTimeModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from placement.plan.job import Job
+
 
 __all__ = ["MemoryEstimate", "memory_estimate", "activation_bytes_per_token"]
 
@@ -69,10 +75,10 @@ class MemoryEstimate:
         }
 
 
-def activation_bytes_per_token(job: object, moe: bool) -> float:
+def activation_bytes_per_token(job: Job, moe: bool) -> float:
     """Bytes one token keeps for one layer's backward (no recompute beyond core attention)."""
-    arch = job.performance.architecture  # type: ignore[attr-defined]
-    m = job.model  # type: ignore[attr-defined]
+    arch = job.performance.architecture
+    m = job.model
     h = m.hidden_size
     f = 6.0 if arch.swiglu else 4.0
     if not moe:
@@ -81,7 +87,7 @@ def activation_bytes_per_token(job: object, moe: bool) -> float:
     return 18.0 * h + f * width + 4.0 * m.top_k * h
 
 
-def memory_estimate(job: object, model: StepTimeModel, *, tp: int, cp: int, ep: int, dp: int, pp: int, vpp: int,
+def memory_estimate(job: Job, model: StepTimeModel, *, tp: int, cp: int, ep: int, dp: int, pp: int, vpp: int,
                     micro_batch: int) -> MemoryEstimate:
     """The memory of the most loaded stage of a candidate (see the module docstring).
 
@@ -91,14 +97,14 @@ def memory_estimate(job: object, model: StepTimeModel, *, tp: int, cp: int, ep: 
     model : the candidate's step-time model (:func:`placement.plan.skeleton.stage_model`): its
         per-stage parameter counts, shapes ``(pp,)``.
     """
-    tr = job.training  # type: ignore[attr-defined]
-    m = job.model  # type: ignore[attr-defined]
-    arch = job.performance.architecture  # type: ignore[attr-defined]
+    tr = job.training
+    m = job.model
+    arch = job.performance.architecture
     par = model.instance.parallel
     moe = set(m.moe_layers)
     h = m.hidden_size
-    tokens = micro_batch * job.seq_len / (tp * cp)  # type: ignore[attr-defined]
-    micro_batches = job.global_batch // (dp * micro_batch)  # type: ignore[attr-defined]
+    tokens = micro_batch * job.seq_len / (tp * cp)
+    micro_batches = job.global_batch // (dp * micro_batch)
     edp = tp * cp * dp // ep
     penalty = 1.0 + (pp - 1) / (pp * vpp) if vpp > 1 else 1.0
     last_moe = (m.num_layers - 1) in moe

@@ -14,10 +14,11 @@ Schedule (deterministic; ``docs/plan.md``):
    plan's budget (at least the smallest useful solve, ``b_min``), ``remaining`` counted from these
    planned figures, never from the clock; when less than ``b_min`` remains, the remaining items
    are left unsolved (counted).  The sum of the planned shares fits the time limit even if the items ran one after
-   the other, so any number of workers finishes in time; the wall clock is checked between rounds
-   as a safety net (``deadline_hit``).
-5. When no ``segment`` item was solved, the best-bound one is solved as the segment rule's
-   reference, budget permitting.
+   the other, so any number of workers finishes in time; the wall clock is checked before each
+   round as a safety net: a round that would end past the limit is not started (``deadline_hit``,
+   the only way the machine's speed can change a plan).
+5. The best-bound ``segment`` item goes first, whatever its bound: the segment rule's reference
+   is always solved (and gives pruning its first threshold).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import numpy as np
 from placement.api import STARTUP_RESERVE_S, estimate_finish_s  # noqa: F401 - re-used constants
 from placement.executor import Executor, LocalExecutor
 from placement.model import InfeasibleError, InvalidInputError
-from placement.plan.bounds import tokens_per_s_bound
+from placement.plan.bounds import load_lower_bound, tokens_per_s_bound
 from placement.plan.candidates import DEFAULT_SPACE, Candidate, CandidateSpace, enumerate_candidates
-from placement.plan.evaluate import Task, TaskResult, Variant, build_instance
+from placement.plan.evaluate import Task, TaskResult, Variant, build_instance, regroup
 from placement.plan.job import ClusterSpec, Job
 
 __all__ = ["PlanRow", "PlanResult", "plan", "MAX_SOLVE_S", "PLANNED_SOLVES", "DEFAULT_PLAN_TIME_LIMIT_S"]
@@ -43,7 +44,8 @@ MAX_SOLVE_S = 60.0  # a dsv3_1024-sized cpsat solve gains nothing measurable pas
 PLANNED_SOLVES = 8  # the budget is shared as if at most this many items were left
 DEFAULT_PLAN_TIME_LIMIT_S = 600.0
 SCORING_S_PER_ID = 1e-7  # as placement.api.SCORING_S_PER_EXPERT_ID
-GENERATION_S_PER_ID = 1e-6  # routing generation, per expert id of both windows (20 s for dsv3's 5.7 M, loaded machine)
+GENERATION_S_PER_ID = 4e-6  # routing generation, per expert id of both windows (20 s for dsv3's 5.7 M ids at load 12)
+ENUMERATION_S_PER_CANDIDATE = 2e-4  # enumeration, memory and bounds (12 s for dsv3's 112 k at load 12)
 MAX_LANES = 64
 
 
@@ -249,26 +251,35 @@ def plan(
                 f"(gpu_hbm_gb {cluster.gpu_hbm_gb:g} less hbm_reserve_gb {cluster.hbm_reserve_gb:g})"
             )
         raise InfeasibleError(f"{job.name}: no candidate layout is feasible: {', '.join(enum.infeasible)}")
-    bounds = {c.key: tokens_per_s_bound(job, c) for c in enum.feasible}
+    loads: dict[tuple[int, int], list[float]] = {}
+    bounds: dict[str, float] = {}
+    for c in enum.feasible:
+        if (c.dp, c.ep) not in loads:
+            loads[(c.dp, c.ep)] = load_lower_bound(regroup(fit, c.dp), job.model.num_experts, c.ep)
+        bounds[c.key] = tokens_per_s_bound(job, c, loads[(c.dp, c.ep)])
     items: list[tuple[Candidate, str]] = []
     for c in enum.feasible:
         items.append((c, "cpsat"))
         if _segment_fits(cl, c):
             items.append((c, "segment"))
     items.sort(key=lambda it: (-bounds[it[0].key], it[0].key, it[1] != "cpsat"))
+    # The segment rule's reference: its best-bound item is solved first, whatever the pruning.
+    first_segment = next((j for j, it in enumerate(items) if it[1] == "segment"), None)
+    if first_segment is not None:
+        items.insert(0, items.pop(first_segment))
 
     ids = L * (S * T + held.shape[1] * held.shape[2]) * k
     scoring_s = SCORING_S_PER_ID * ids
     b_min = 2.0 * (STARTUP_RESERVE_S + 2.0 * (0.5 + scoring_s)) + 1.0
     overhead_s = 3.0 * scoring_s + 0.5  # the peers' reports in the same task, pickling
-    remaining = time_limit_s - STARTUP_RESERVE_S - GENERATION_S_PER_ID * ids - 4.0 * scoring_s - 1.0
+    remaining = (time_limit_s - STARTUP_RESERVE_S - GENERATION_S_PER_ID * ids - ENUMERATION_S_PER_CANDIDATE * enum.enumerated
+                 - 4.0 * scoring_s - 1.0)
     own = executor is None
     ex: Executor = LocalExecutor() if executor is None else executor
     results: list[tuple[Candidate, str, float, TaskResult]] = []
     best = -math.inf
     pruned = unsolved = 0
     deadline_hit = False
-    solved_segment = False
     i = 0
 
     def budget_for(n_left: int) -> float | None:
@@ -279,10 +290,6 @@ def plan(
 
     try:
         while i < len(items):
-            if time.monotonic() >= start + time_limit_s - b_min / 2:
-                deadline_hit = True
-                unsolved += len(items) - i
-                break
             round_items: list[tuple[Candidate, str, float]] = []
             stop = False
             while i < len(items) and len(round_items) < lanes:
@@ -301,26 +308,18 @@ def plan(
                 remaining -= b + overhead_s
                 round_items.append((cand, method, b))
                 i += 1
+            if round_items and time.monotonic() + max(b for _, _, b in round_items) + overhead_s > start + time_limit_s:
+                deadline_hit = True  # the machine is slower than planned: stop with the best so far
+                unsolved += len(items) - i + len(round_items)
+                break
             if round_items:
                 tasks = [Task(job, cl, c, m, b, seed, fit, held, prov) for c, m, b in round_items]  # type: ignore[arg-type]
                 for (c, m, b), res in zip(round_items, ex.map(_run, tasks)):
                     results.append((c, m, b, res))
-                    solved_segment |= m == "segment" and bool(res.variants)
                     for v in res.variants:
                         best = max(best, float(v.figures["predicted_job_tokens_per_s"]))
             if stop:
                 break
-        reference = False
-        if not solved_segment and not deadline_hit:
-            seg_items = [it for it in items if it[1] == "segment" and not any(r[0].key == it[0].key and r[1] == "segment" for r in results)]
-            if seg_items:
-                b = budget_for(1)
-                if b is not None:
-                    c, m = seg_items[0]
-                    remaining -= b + overhead_s
-                    res = ex.map(_run, [Task(job, cl, c, "segment", b, seed, fit, held, prov)])[0]
-                    results.append((c, "segment", b, res))
-                    reference = True
     finally:
         if own:
             ex.close()
@@ -332,8 +331,8 @@ def plan(
         mem = {**est.to_dict(), "headroom_bytes": cluster.usable_bytes_per_gpu - est.total_bytes}  # type: ignore[attr-defined]
         for v in res.variants:
             details = dict(v.details)
-            if reference and m == "segment" and (c, m, b, res) is results[-1]:
-                details["reference"] = True
+            if m == "segment" and first_segment is not None and (c, m) == items[0]:
+                details["segment_reference"] = True
             rows.append(PlanRow(c.key, c, v.name, v.figures, mem, c.world, free - c.world, bounds[c.key], b, details))
             variants[(c.key, v.name)] = v
     order = {"cpsat": 0, "segment+cpsat": 1, "default": 2, "segment": 3}
@@ -352,7 +351,6 @@ def plan(
         "solved": n_solved,
         "not_applicable": sum(1 for r in results if not r[3].variants),
         "unsolved_budget": unsolved,
-        "segment_reference_solved": reference,
     }
     top = rows[0]
     inst = build_instance(job, cl, top.candidate, fit, held, prov)

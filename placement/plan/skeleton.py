@@ -8,6 +8,8 @@ counts as the predictions of the solved candidates.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import dataclasses
 from functools import lru_cache
 
@@ -16,17 +18,21 @@ import numpy as np
 from placement.model import Cluster, Instance, ParallelLayout, Routing
 from placement.performance import StepTimeModel
 
+if TYPE_CHECKING:  # pragma: no cover
+    from placement.plan.job import Job
+
+
 __all__ = ["layout_of", "skeleton_instance", "stage_model"]
 
 
-def layout_of(job: object, tp: int, cp: int, ep: int, dp: int, pp: int, micro_batch: int,
+def layout_of(job: Job, tp: int, cp: int, ep: int, dp: int, pp: int, micro_batch: int,
               stage_layers: tuple[tuple[int, ...], ...], global_batch: int | None = None) -> ParallelLayout:
     """The :class:`ParallelLayout` of a candidate of ``job`` (a :class:`~placement.plan.job.Job`)."""
     return ParallelLayout(
-        tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order=job.order,  # type: ignore[attr-defined]
-        stage_layers=stage_layers, seq_len=job.seq_len,  # type: ignore[attr-defined]
+        tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order=job.order,
+        stage_layers=stage_layers, seq_len=job.seq_len,
         micro_batch=micro_batch,
-        global_batch=job.global_batch if global_batch is None else global_batch,  # type: ignore[attr-defined]
+        global_batch=job.global_batch if global_batch is None else global_batch,
     )
 
 
@@ -34,24 +40,24 @@ _ONE_GPU = Cluster(num_domains=1, trays_per_domain=1, gpus_per_tray=1, available
                    nvlink_gbps=900.0, scaleout_gbps=100.0)
 
 
-def skeleton_instance(job: object, parallel: ParallelLayout, vpp: int, cluster: Cluster | None = None) -> Instance:
+def skeleton_instance(job: Job, parallel: ParallelLayout, vpp: int, cluster: Cluster | None = None) -> Instance:
     """An instance of ``job`` with ``parallel``, ``vpp`` and a one-token placeholder routing."""
-    m = job.model  # type: ignore[attr-defined]
+    m = job.model
     topk = np.zeros((m.num_moe_layers, parallel.dp, 1, m.top_k), dtype=np.uint16)
     topk[..., :] = np.arange(m.top_k, dtype=np.uint16)
     return Instance(
-        name=f"{job.name}-skeleton",  # type: ignore[attr-defined]
+        name=f"{job.name}-skeleton",
         model=m,
         parallel=parallel,
         cluster=cluster or _ONE_GPU,
         routing=Routing(topk, topk),
-        cost_mode=job.cost_mode,  # type: ignore[attr-defined]
-        performance=dataclasses.replace(job.performance, vpp=vpp),  # type: ignore[attr-defined]
+        cost_mode=job.cost_mode,
+        performance=dataclasses.replace(job.performance, vpp=vpp),
     )
 
 
 @lru_cache(maxsize=4096)
-def _stage_model_cached(job: object, tp: int, cp: int, ep: int, pp: int, micro_batch: int,
+def _stage_model_cached(job: Job, tp: int, cp: int, ep: int, pp: int, micro_batch: int,
                         stage_layers: tuple[tuple[int, ...], ...], vpp: int) -> StepTimeModel:
     par = layout_of(job, tp, cp, ep, ep // _gcd(ep, tp * cp), pp, micro_batch, stage_layers,
                     global_batch=micro_batch * (ep // _gcd(ep, tp * cp)))
@@ -64,7 +70,7 @@ def _gcd(a: int, b: int) -> int:
     return math.gcd(a, b)
 
 
-def stage_model(job: object, tp: int, cp: int, ep: int, pp: int, micro_batch: int,
+def stage_model(job: Job, tp: int, cp: int, ep: int, pp: int, micro_batch: int,
                 stage_layers: tuple[tuple[int, ...], ...], vpp: int) -> StepTimeModel:
     """A :class:`StepTimeModel` of a skeleton with the smallest valid ``dp`` and one micro-batch per step.
 
