@@ -5,13 +5,15 @@ deterministic (the routing arrays, the seed and the time limit travel in the :cl
 
 Methods, per candidate:
 
-- ``cpsat``: :func:`placement.api.solve` with the ``step_time`` objective (rank layout and expert
-  maps, ``num_workers=1``); the candidate's default layout (ranks on the free GPUs in sorted order,
-  experts contiguous) is scored in the same task as the ``default`` variant;
+- ``default``: the candidate's default layout (ranks on the free GPUs in sorted order, experts
+  contiguous), scored (cheap);
 - ``segment``: the rack-segment rule (NVIDIA's published DeepSeek-V3 runs, Slurm ``--segment``):
   every EP group inside one rack, ranks only on racks' whole EP-group slices, the rest idle
-  (:func:`segment_rank2gpu`), scored with contiguous experts (``segment``) and with the expert maps
-  ``cpsat`` finds for that fixed layout (``segment+cpsat``).
+  (:func:`segment_rank2gpu`), scored with contiguous experts (cheap);
+- ``cpsat``: :func:`placement.api.solve` with the ``step_time`` objective (rank layout and expert
+  maps, ``num_workers=1``);
+- ``segment+cpsat``: the segment layout with the expert maps ``cpsat`` finds for it (``solve``
+  with ``layout="fixed"`` on the cluster restricted to the segment's GPUs).
 
 Every variant is scored by the one evaluator (:func:`placement.cost.report`, which adds
 :mod:`placement.performance`'s predictions).
@@ -29,7 +31,7 @@ from placement.model import Cluster, Instance, Placement, Routing
 
 __all__ = ["Task", "Variant", "TaskResult", "regroup", "build_instance", "segment_rank2gpu", "run_task", "summary"]
 
-Method = Literal["cpsat", "segment"]
+Method = Literal["default", "segment", "cpsat", "segment+cpsat"]
 
 
 def regroup(topk: np.ndarray, dp: int) -> np.ndarray:
@@ -158,25 +160,25 @@ def run_task(task: Task) -> TaskResult:
 
     inst = build_instance(task.job, task.cluster, task.candidate, task.fit_topk, task.heldout_topk, task.provenance)
     world, tokens = inst.parallel.world_size, task.job.tokens_per_step
-    variants: list[Variant] = []
+    key = task.candidate.key
+    if task.method == "default":
+        default = _identity(inst, default_rank2gpu(inst))
+        return TaskResult(key, "default", (Variant("default", summary(report(inst, default), world, tokens), default),))
     if task.method == "cpsat":
         res = solve(inst, time_limit_s=task.time_limit_s, seed=task.seed, num_workers=1, objective="step_time")
-        variants.append(Variant("cpsat", summary(res.metrics, world, tokens), res.placement, res,
-                                {"status": res.status, "interrupted": bool(res.details.get("interrupted", False))}))
-        default = _identity(inst, default_rank2gpu(inst))
-        variants.append(Variant("default", summary(report(inst, default), world, tokens), default))
-        return TaskResult(task.candidate.key, "cpsat", tuple(variants))
+        return TaskResult(key, "cpsat", (Variant("cpsat", summary(res.metrics, world, tokens), res.placement, res,
+                                                 {"status": res.status, "interrupted": bool(res.details.get("interrupted", False))}),))
     seg = segment_rank2gpu(inst)
     if seg is None:
-        return TaskResult(task.candidate.key, "segment", (), "the EP groups do not fit whole in the racks' free GPUs")
-    plain = _identity(inst, seg)
-    variants.append(Variant("segment", summary(report(inst, plain), world, tokens), plain))
+        return TaskResult(key, task.method, (), "the EP groups do not fit whole in the racks' free GPUs")
+    if task.method == "segment":
+        plain = _identity(inst, seg)
+        return TaskResult(key, "segment", (Variant("segment", summary(report(inst, plain), world, tokens), plain),))
     available = np.zeros(inst.cluster.num_gpus, dtype=bool)
     available[seg] = True
     fixed = dataclasses.replace(inst, cluster=dataclasses.replace(inst.cluster, available=available))
     res = solve(fixed, time_limit_s=task.time_limit_s, seed=task.seed, num_workers=1, objective="step_time", layout="fixed")
     assert np.array_equal(res.placement.rank2gpu, seg)
     res = dataclasses.replace(res, metrics=report(inst, res.placement))
-    variants.append(Variant("segment+cpsat", summary(res.metrics, world, tokens), res.placement, res,
-                            {"status": res.status, "interrupted": bool(res.details.get("interrupted", False))}))
-    return TaskResult(task.candidate.key, "segment", tuple(variants))
+    return TaskResult(key, "segment+cpsat", (Variant("segment+cpsat", summary(res.metrics, world, tokens), res.placement, res,
+                                                     {"status": res.status, "interrupted": bool(res.details.get("interrupted", False))}),))

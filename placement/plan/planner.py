@@ -4,21 +4,24 @@ Schedule (deterministic; ``docs/plan.md``):
 
 1. Enumerate the candidates (:mod:`placement.plan.candidates`) with their memory.
 2. Bound each: its compute-bound step (the step-time model with no all-to-all, no data-parallel
-   traffic and every expert GPU at the mean load) gives an upper bound on job tokens/s
-   (:func:`placement.plan.bounds.tokens_per_s_bound`).
-3. Work items: ``cpsat`` for every candidate, ``segment`` for those whose EP groups fit whole in
-   racks; sorted by bound (then key, ``cpsat`` first).  Rounds of ``lanes`` items go through the
-   executor; before each item, an item whose bound is below the best predicted job tokens/s so
-   far is pruned, and so are all after it (they are sorted).
-4. Time: each solve gets ``min(MAX_SOLVE_S, remaining / min(items left, PLANNED_SOLVES))`` of the
-   plan's budget (at least the smallest useful solve, ``b_min``), ``remaining`` counted from these
-   planned figures, never from the clock; when less than ``b_min`` remains, the remaining items
-   are left unsolved (counted).  The sum of the planned shares fits the time limit even if the items ran one after
-   the other, so any number of workers finishes in time; the wall clock is checked before each
-   round as a safety net: a round that would end past the limit is not started (``deadline_hit``,
-   the only way the machine's speed can change a plan).
-5. The best-bound ``segment`` item goes first, whatever its bound: the segment rule's reference
-   is always solved (and gives pruning its first threshold).
+   traffic and each MoE layer at a lower bound of its expert load) gives an upper bound on job
+   tokens/s (:func:`placement.plan.bounds.tokens_per_s_bound`).
+3. Phase 1, cheap scores: the ``default`` layout of every candidate and the ``segment`` rule of
+   those whose EP groups fit whole in racks, in bound order (then key), rounds of ``lanes`` items
+   through the executor; the first item whose bound is below the best score so far ends the phase
+   (all later bounds are lower: pruned).  At most :data:`PHASE1_SHARE` of the budget.
+4. Phase 2, solves: ``cpsat`` for every scored candidate and ``segment+cpsat`` for every scored
+   segment rule, most promising first (by the phase-1 score), except that the best segment
+   candidate goes first (the segment rule's reference is always solved); an item whose bound is
+   below the best predicted job tokens/s so far is skipped (pruned).
+5. Time: each solve gets ``min(MAX_SOLVE_S, remaining / min(items left, PLANNED_SOLVES))`` of the
+   plan's budget (at least the smallest useful solve, ``b_min``), each cheap score a fixed cost
+   from the routing's size; ``remaining`` is counted from these planned figures, never from the
+   clock; what the budget does not reach is counted as ``unsolved_budget``.  The planned figures
+   fit the time limit even if the items ran one after the other, so any number of workers
+   finishes in time; the wall clock is checked before each round as a safety net: a round that
+   would end past the limit is not started (``deadline_hit``, the only way the machine's speed can
+   change a plan).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from placement.plan.job import ClusterSpec, Job
 
 __all__ = ["PlanRow", "PlanResult", "plan", "MAX_SOLVE_S", "PLANNED_SOLVES", "DEFAULT_PLAN_TIME_LIMIT_S"]
 
-MAX_SOLVE_S = 60.0  # a dsv3_1024-sized cpsat solve gains nothing measurable past ~30 s (docs/plan.md)
-PLANNED_SOLVES = 8  # the budget is shared as if at most this many items were left
+MAX_SOLVE_S = 40.0  # a dsv3_1024-sized cpsat solve gains nothing measurable past ~30 s (docs/plan.md)
+PLANNED_SOLVES = 16  # the solve budget is shared as if at most this many items were left
+PHASE1_SHARE = 0.4  # at most this share of the budget goes to the cheap scores
 DEFAULT_PLAN_TIME_LIMIT_S = 600.0
 SCORING_S_PER_ID = 1e-7  # as placement.api.SCORING_S_PER_EXPERT_ID
 GENERATION_S_PER_ID = 4e-6  # routing generation, per expert id of both windows (20 s for dsv3's 5.7 M ids at load 12)
@@ -257,30 +261,28 @@ def plan(
         if (c.dp, c.ep) not in loads:
             loads[(c.dp, c.ep)] = load_lower_bound(regroup(fit, c.dp), job.model.num_experts, c.ep)
         bounds[c.key] = tokens_per_s_bound(job, c, loads[(c.dp, c.ep)])
-    items: list[tuple[Candidate, str]] = []
+    # Phase 1 items: the cheap scores (default layout; segment rule with contiguous experts), by bound.
+    items1: list[tuple[Candidate, str]] = []
     for c in enum.feasible:
-        items.append((c, "cpsat"))
+        items1.append((c, "default"))
         if _segment_fits(cl, c):
-            items.append((c, "segment"))
-    items.sort(key=lambda it: (-bounds[it[0].key], it[0].key, it[1] != "cpsat"))
-    # The segment rule's reference: its best-bound item is solved first, whatever the pruning.
-    first_segment = next((j for j, it in enumerate(items) if it[1] == "segment"), None)
-    if first_segment is not None:
-        items.insert(0, items.pop(first_segment))
+            items1.append((c, "segment"))
+    items1.sort(key=lambda it: (-bounds[it[0].key], it[0].key, it[1]))
 
     ids = L * (S * T + held.shape[1] * held.shape[2]) * k
     scoring_s = SCORING_S_PER_ID * ids
     b_min = 2.0 * (STARTUP_RESERVE_S + 2.0 * (0.5 + scoring_s)) + 1.0
-    overhead_s = 3.0 * scoring_s + 0.5  # the peers' reports in the same task, pickling
+    overhead_s = 3.0 * scoring_s + 0.5  # the solved answer's report, pickling
+    eval_s = 0.5 + 4.0 * scoring_s  # building the instance and one report (phase 1)
     remaining = (time_limit_s - STARTUP_RESERVE_S - GENERATION_S_PER_ID * ids - ENUMERATION_S_PER_CANDIDATE * enum.enumerated
                  - 4.0 * scoring_s - 1.0)
+    phase1_cap = remaining * PHASE1_SHARE
     own = executor is None
     ex: Executor = LocalExecutor() if executor is None else executor
     results: list[tuple[Candidate, str, float, TaskResult]] = []
     best = -math.inf
     pruned = unsolved = 0
     deadline_hit = False
-    i = 0
 
     def budget_for(n_left: int) -> float | None:
         if remaining - overhead_s < b_min:
@@ -288,41 +290,81 @@ def plan(
         share = min(MAX_SOLVE_S, remaining / max(1, min(n_left, PLANNED_SOLVES)))
         return min(max(share, b_min), remaining - overhead_s)
 
+    def run_round(round_items: list[tuple[Candidate, str, float]], cost_s: float) -> bool:
+        """Run one round; False (and nothing run) when it would end past the wall-clock limit."""
+        nonlocal best
+        if time.monotonic() + max(b for _, _, b in round_items) + cost_s > start + time_limit_s:
+            return False
+        tasks = [Task(job, cl, c, m, b, seed, fit, held, prov) for c, m, b in round_items]  # type: ignore[arg-type]
+        for (c, m, b), res in zip(round_items, ex.map(_run, tasks)):
+            results.append((c, m, b, res))
+            for v in res.variants:
+                best = max(best, float(v.figures["predicted_job_tokens_per_s"]))
+        return True
+
+    scored: dict[tuple[str, str], float] = {}  # (key, phase-1 method) -> predicted job tokens/s
     try:
-        while i < len(items):
+        # Phase 1: bound order; stop at the first bound below the best score (all later are lower).
+        i = 0
+        while i < len(items1) and not deadline_hit:
             round_items: list[tuple[Candidate, str, float]] = []
-            stop = False
-            while i < len(items) and len(round_items) < lanes:
-                cand, method = items[i]
+            while i < len(items1) and len(round_items) < lanes:
+                cand, method = items1[i]
                 if prune and bounds[cand.key] < best:
-                    pruned += len(items) - i
-                    i = len(items)
-                    stop = True
+                    pruned += len(items1) - i
+                    i = len(items1)
                     break
-                b = budget_for(len(items) - i)
+                if phase1_cap < eval_s or remaining < eval_s:
+                    unsolved += len(items1) - i
+                    i = len(items1)
+                    break
+                phase1_cap -= eval_s
+                remaining -= eval_s
+                round_items.append((cand, method, 0.0))
+                i += 1
+            if round_items and not run_round(round_items, eval_s):
+                deadline_hit = True
+                unsolved += len(items1) - i + len(round_items)
+                break
+        for c, m, _, res in results:
+            for v in res.variants:
+                scored[(c.key, m)] = float(v.figures["predicted_job_tokens_per_s"])
+        # Phase 2: the solves, most promising first (the phase-1 score), each skipped when its
+        # bound is below the best so far; the best segment candidate's solve goes first.
+        items2 = [(c, "cpsat" if m == "default" else "segment+cpsat") for c, m in items1 if (c.key, m) in scored]
+        items2.sort(key=lambda it: (-scored[(it[0].key, "default" if it[1] == "cpsat" else "segment")], it[0].key, it[1]))
+        first_segment = next((j for j, it in enumerate(items2) if it[1] == "segment+cpsat"), None)
+        if first_segment is not None:
+            items2.insert(0, items2.pop(first_segment))
+        i = 0
+        while i < len(items2) and not deadline_hit:
+            round_items = []
+            stop = False
+            while i < len(items2) and len(round_items) < lanes:
+                cand, method = items2[i]
+                if prune and bounds[cand.key] < best and not (i == 0 and first_segment is not None):
+                    pruned += 1
+                    i += 1
+                    continue
+                b = budget_for(len(items2) - i)
                 if b is None:
-                    unsolved += len(items) - i
-                    i = len(items)
+                    unsolved += len(items2) - i
+                    i = len(items2)
                     stop = True
                     break
                 remaining -= b + overhead_s
                 round_items.append((cand, method, b))
                 i += 1
-            if round_items and time.monotonic() + max(b for _, _, b in round_items) + overhead_s > start + time_limit_s:
+            if round_items and not run_round(round_items, overhead_s):
                 deadline_hit = True  # the machine is slower than planned: stop with the best so far
-                unsolved += len(items) - i + len(round_items)
+                unsolved += len(items2) - i + len(round_items)
                 break
-            if round_items:
-                tasks = [Task(job, cl, c, m, b, seed, fit, held, prov) for c, m, b in round_items]  # type: ignore[arg-type]
-                for (c, m, b), res in zip(round_items, ex.map(_run, tasks)):
-                    results.append((c, m, b, res))
-                    for v in res.variants:
-                        best = max(best, float(v.figures["predicted_job_tokens_per_s"]))
             if stop:
                 break
     finally:
         if own:
             ex.close()
+    items = items1 + items2
 
     rows: list[PlanRow] = []
     variants: dict[tuple[str, str], Variant] = {}
@@ -331,7 +373,7 @@ def plan(
         mem = {**est.to_dict(), "headroom_bytes": cluster.usable_bytes_per_gpu - est.total_bytes}  # type: ignore[attr-defined]
         for v in res.variants:
             details = dict(v.details)
-            if m == "segment" and first_segment is not None and (c, m) == items[0]:
+            if m == "segment+cpsat" and first_segment is not None and (c, m) == items2[0]:
                 details["segment_reference"] = True
             rows.append(PlanRow(c.key, c, v.name, v.figures, mem, c.world, free - c.world, bounds[c.key], b, details))
             variants[(c.key, v.name)] = v
@@ -340,15 +382,17 @@ def plan(
     if not rows:
         raise InfeasibleError(f"{job.name}: the time limit of {time_limit_s:g} s leaves no time to solve a candidate (each needs {b_min:.0f} s)")
     per_gpu = sorted(range(len(rows)), key=lambda j: (-rows[j].figures["predicted_tokens_per_s_per_gpu"], j))
-    n_solved = sum(1 for r in results if r[3].variants)
+    n_scored = sum(1 for r in results if r[1] in ("default", "segment") and r[3].variants)
+    n_solved = sum(1 for r in results if r[1] in ("cpsat", "segment+cpsat") and r[3].variants)
     counts = {
         "enumerated": enum.enumerated,
         "feasible": len(enum.feasible),
         "infeasible": sum(enum.infeasible.values()),
         "infeasible_by_reason": enum.infeasible,
         "work_items": len(items),
-        "pruned": pruned,
+        "scored": n_scored,
         "solved": n_solved,
+        "pruned": pruned,
         "not_applicable": sum(1 for r in results if not r[3].variants),
         "unsolved_budget": unsolved,
     }

@@ -64,7 +64,7 @@ def plan_table(result: Any, *, top: int = 10) -> str:
     c = result.counts
     lines.append(
         f"candidates: {c['enumerated']} enumerated, {c['infeasible']} infeasible, {c['feasible']} feasible; "
-        f"work items {c['work_items']}: {c['solved']} solved, {c['pruned']} pruned by bound, "
+        f"work items {c['work_items']}: {c['scored']} scored, {c['solved']} solved, {c['pruned']} pruned by bound, "
         f"{c['unsolved_budget']} left for the budget, {c['not_applicable']} not applicable"
     )
     for reason, n in c["infeasible_by_reason"].items():
