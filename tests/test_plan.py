@@ -457,3 +457,17 @@ def test_make_executor_errors():
     ex = make_executor("local", workers=1)
     assert isinstance(ex, LocalExecutor)
     ex.close()
+
+
+@pytest.mark.parametrize("trays_down", [[[0, 1], [2, 0]], [[1, 0], [1, 1], [4, 1]]])
+def test_pruning_never_drops_the_winner_on_other_cluster_states(tmp_path, trays_down):
+    """Brute force on two more tiny cluster states: the plan with pruning = the plan without."""
+    job = read_job(_write(tmp_path, "job.json", _job_doc()))
+    cluster = read_cluster(_write(tmp_path, "cluster.json", _cluster_doc(unavailable_trays=trays_down)))
+    space = CandidateSpace(tp=(1,), cp=(1,), pp=(1, 2), vpp=(1, 2), ep=(2, 4, 8), dp=(2, 4, 8), micro_batch=(1,))
+    with LocalExecutor(1) as ex:
+        a = plan(job, cluster, candidates=space, time_limit_s=300, executor=ex)
+        b = plan(job, cluster, candidates=space, time_limit_s=3000, executor=ex, prune=False)
+    assert b.counts["pruned"] == 0 and b.counts["unsolved_budget"] == 0
+    assert (a.recommendation.key, a.recommendation.variant) == (b.recommendation.key, b.recommendation.variant)
+    assert a.recommendation.figures == b.recommendation.figures
