@@ -9,11 +9,12 @@ Schedule (deterministic; ``docs/plan.md``):
 3. Phase 1, cheap scores: the ``default`` layout of every candidate and the ``segment`` rule of
    those whose EP groups fit whole in racks, in bound order (then key), rounds of ``lanes`` items
    through the executor; the first item whose bound is below the best score so far ends the phase
-   (all later bounds are lower: pruned).  At most :data:`PHASE1_SHARE` of the budget.
-4. Phase 2, solves: ``cpsat`` for every scored candidate and ``segment+cpsat`` for every scored
-   segment rule, most promising first (by the phase-1 score), except that the best segment
-   candidate goes first (the segment rule's reference is always solved); an item whose bound is
-   below the best predicted job tokens/s so far is skipped (pruned).
+   (all later bounds are lower: pruned).  At most :data:`PHASE1_SHARE` of the budget: the scores
+   give the solves a pruning threshold and the ``default`` peer rows.
+4. Phase 2, solves: ``cpsat`` for every candidate and ``segment+cpsat`` for every segment rule,
+   best bound first, except that the best-bound segment candidate goes first (the segment rule's
+   reference is always solved); an item whose bound is below the best predicted job tokens/s so
+   far is skipped (pruned).
 5. Time: each solve gets ``min(MAX_SOLVE_S, remaining / min(items left, PLANNED_SOLVES))`` of the
    plan's budget (at least the smallest useful solve, ``b_min``), each cheap score a fixed cost
    from the routing's size; ``remaining`` is counted from these planned figures, never from the
@@ -43,9 +44,9 @@ from placement.plan.job import ClusterSpec, Job
 
 __all__ = ["PlanRow", "PlanResult", "plan", "MAX_SOLVE_S", "PLANNED_SOLVES", "DEFAULT_PLAN_TIME_LIMIT_S"]
 
-MAX_SOLVE_S = 40.0  # a dsv3_1024-sized cpsat solve gains nothing measurable past ~30 s (docs/plan.md)
-PLANNED_SOLVES = 16  # the solve budget is shared as if at most this many items were left
-PHASE1_SHARE = 0.4  # at most this share of the budget goes to the cheap scores
+MAX_SOLVE_S = 60.0  # a dsv3_1024-sized cpsat solve gains nothing measurable past ~30 s (docs/plan.md)
+PLANNED_SOLVES = 8  # the solve budget is shared as if at most this many items were left
+PHASE1_SHARE = 0.1  # at most this share of the budget goes to the cheap scores
 DEFAULT_PLAN_TIME_LIMIT_S = 600.0
 SCORING_S_PER_ID = 1e-7  # as placement.api.SCORING_S_PER_EXPERT_ID
 GENERATION_S_PER_ID = 4e-6  # routing generation, per expert id of both windows (20 s for dsv3's 5.7 M ids at load 12)
@@ -329,10 +330,9 @@ def plan(
         for c, m, _, res in results:
             for v in res.variants:
                 scored[(c.key, m)] = float(v.figures["predicted_job_tokens_per_s"])
-        # Phase 2: the solves, most promising first (the phase-1 score), each skipped when its
-        # bound is below the best so far; the best segment candidate's solve goes first.
-        items2 = [(c, "cpsat" if m == "default" else "segment+cpsat") for c, m in items1 if (c.key, m) in scored]
-        items2.sort(key=lambda it: (-scored[(it[0].key, "default" if it[1] == "cpsat" else "segment")], it[0].key, it[1]))
+        # Phase 2: the solves, best bound first, each skipped when its bound is below the best so
+        # far; the best-bound segment candidate's solve goes first.
+        items2 = [(c, "cpsat" if m == "default" else "segment+cpsat") for c, m in items1]  # bound order
         first_segment = next((j for j, it in enumerate(items2) if it[1] == "segment+cpsat"), None)
         if first_segment is not None:
             items2.insert(0, items2.pop(first_segment))
