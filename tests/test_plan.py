@@ -471,3 +471,14 @@ def test_pruning_never_drops_the_winner_on_other_cluster_states(tmp_path, trays_
     assert b.counts["pruned"] == 0 and b.counts["unsolved_budget"] == 0
     assert (a.recommendation.key, a.recommendation.variant) == (b.recommendation.key, b.recommendation.variant)
     assert a.recommendation.figures == b.recommendation.figures
+
+
+def test_ray_executor_is_optional():
+    """Without the ray extra (or h2's placement.ray_executor), ``ray`` is a one-line input error."""
+    try:
+        import placement.ray_executor  # noqa: F401
+    except ImportError:
+        with pytest.raises(InvalidInputError, match="ray"):
+            make_executor("ray", workers=1)
+    else:
+        pytest.skip("placement.ray_executor is installed: its own tests cover it")
