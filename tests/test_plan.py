@@ -482,3 +482,17 @@ def test_ray_executor_is_optional():
             make_executor("ray", workers=1)
     else:
         pytest.skip("placement.ray_executor is installed: its own tests cover it")
+
+
+def test_plan_from_an_in_memory_instance(tiny, tiny_plans):
+    """What a notebook does: job and cluster from an instance, its routing passed as arrays."""
+    from placement.plan.job import cluster_from_instance, job_from_instance
+
+    job = dataclasses.replace(job_from_instance(tiny), name="tiny_job")
+    cluster = dataclasses.replace(cluster_from_instance(tiny, gpu_hbm_gb=1.0, hbm_reserve_gb=0.0), name="tiny_cluster")
+    with LocalExecutor(1) as ex:
+        r = plan(job, cluster, candidates=SMALL, time_limit_s=120, executor=ex,
+                 routing=(tiny.routing.topk, tiny.routing.heldout_topk))
+    want = tiny_plans["w1"]
+    assert (r.recommendation.key, r.recommendation.variant) == (want.recommendation.key, want.recommendation.variant)
+    assert r.recommendation.figures == want.recommendation.figures
