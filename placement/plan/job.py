@@ -26,7 +26,7 @@ from placement.formats import (
     _performance,
     read_instance,
 )
-from placement.model import COST_MODES, Cluster, CostMode, InvalidInputError, MoEModel
+from placement.model import Cluster, CostMode, InvalidInputError, MoEModel
 from placement.performance import Performance
 from placement.schema import Any_, Bool, Int, List, Num, Obj, Str, validate
 
@@ -271,6 +271,9 @@ def _routing_source(where: Path, doc: dict, model: dict) -> RoutingSource:
             v = g[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise _fail(where, f"routing.generator.{key}", f"expected a non-negative integer, found {v!r}")
+    for key in ("source_mix_concentration", "skew", "drift"):
+        if key in g and (isinstance(g[key], bool) or not isinstance(g[key], (int, float)) or g[key] < 0):
+            raise _fail(where, f"routing.generator.{key}", f"expected a non-negative number, found {g[key]!r}")
     for key, want in (("num_layers", L), ("num_experts", model["num_experts"]), ("top_k", model["top_k"]),
                       ("num_groups", model["num_groups"]), ("groups_per_token", model["groups_per_token"])):
         if key in g and g[key] != want:

@@ -30,11 +30,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from placement.api import STARTUP_RESERVE_S, estimate_finish_s  # noqa: F401 - re-used constants
+from placement.api import STARTUP_RESERVE_S
 from placement.executor import Executor, LocalExecutor
 from placement.model import InfeasibleError, InvalidInputError
 from placement.plan.bounds import load_lower_bound, tokens_per_s_bound
@@ -149,7 +149,10 @@ def base_routing(job: Job) -> tuple[np.ndarray, np.ndarray, dict]:
     if src.kind == "generator":
         from placement.generator import generate_routing
 
-        windows = generate_routing(**src.params)
+        try:
+            windows = generate_routing(**src.params)
+        except (TypeError, ValueError) as exc:  # the generator's own range checks
+            raise InvalidInputError(f"{job.name}: routing.generator: {exc}") from None
         prov = {"base": {"function": "placement.generator.generate_routing", **src.params,
                          "fit_tokens_per_source": src.fit_tokens, "heldout_tokens_per_source": src.heldout_tokens}}
         return windows[0][:, :, : src.fit_tokens], windows[1][:, :, : src.heldout_tokens], prov
@@ -410,7 +413,3 @@ def _run(task: Task) -> TaskResult:
 
     return run_task(task)
 
-
-def solve_rows(rows: Sequence[PlanRow]) -> list[str]:  # pragma: no cover - convenience for notebooks
-    """The keys of ``rows``."""
-    return [r.key for r in rows]
