@@ -30,17 +30,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from placement.api import STARTUP_RESERVE_S
-from placement.executor import Executor, LocalExecutor
 from placement.model import InfeasibleError, InvalidInputError
 from placement.plan.bounds import load_lower_bound, tokens_per_s_bound
 from placement.plan.candidates import DEFAULT_SPACE, Candidate, CandidateSpace, enumerate_candidates
 from placement.plan.evaluate import Task, TaskResult, Variant, build_instance, regroup
 from placement.plan.job import ClusterSpec, Job
+
+if TYPE_CHECKING:  # pragma: no cover - the executor (multiprocessing) is imported when a plan runs
+    from placement.executor import Executor
 
 __all__ = ["PlanRow", "PlanResult", "plan", "MAX_SOLVE_S", "PLANNED_SOLVES", "DEFAULT_PLAN_TIME_LIMIT_S"]
 
@@ -282,7 +284,11 @@ def plan(
                  - 4.0 * scoring_s - 1.0)
     phase1_cap = remaining * PHASE1_SHARE
     own = executor is None
-    ex: Executor = LocalExecutor() if executor is None else executor
+    if executor is None:
+        from placement.executor import LocalExecutor
+
+        executor = LocalExecutor()
+    ex: Executor = executor
     results: list[tuple[Candidate, str, float, TaskResult]] = []
     best = -math.inf
     pruned = unsolved = 0
