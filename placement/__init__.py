@@ -41,6 +41,24 @@ from placement.model import (
     SolverError,
 )
 
+
+# placement plan (placement/plan/): after this import the name ``placement.plan`` is the function
+# (``placement.plan(job, cluster, ...)``); the subpackage stays importable as ``placement.plan.*``.
+from placement.plan import (  # noqa: E402
+    CandidateSpace,
+    ClusterSpec,
+    Job,
+    PlanResult,
+    PlanRow,
+    parse_candidates,
+    plan,
+    plan_document,
+    plan_table,
+    read_cluster,
+    read_job,
+    write_plan,
+)
+
 if TYPE_CHECKING:
     from solvers.base import SolveOptions, SolveResult
 
@@ -75,6 +93,18 @@ __all__ = [
     "InvalidInputError",
     "InfeasibleError",
     "SolverError",
+    "plan",
+    "read_job",
+    "read_cluster",
+    "write_plan",
+    "plan_table",
+    "plan_document",
+    "parse_candidates",
+    "CandidateSpace",
+    "ClusterSpec",
+    "Job",
+    "PlanResult",
+    "PlanRow",
 ]
 
 

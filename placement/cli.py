@@ -352,6 +352,52 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_plan(args: argparse.Namespace, started_at: float) -> int:
+    """``placement plan``: the job's layout for the free GPUs (placement/plan/)."""
+    from placement.executor import make_executor
+    from placement.plan import parse_candidates, plan, plan_document, plan_table, read_cluster, read_job, write_plan
+
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise InvalidInputError(f"--time-limit: expected a positive number of seconds, found {args.time_limit}")
+    if args.seed < 0:
+        raise InvalidInputError(f"--seed: expected a non-negative integer, found {args.seed}")
+    if args.output:
+        _check_output_path(args.output)
+    exports: dict[str, str] = {}
+    for item in args.export or []:
+        fmt, sep, target = item.partition("=")
+        if not sep or not target:
+            raise InvalidInputError(f"--export: expected FORMAT=PATH, found {item!r}")
+        from placement.export import FORMATS
+
+        if fmt not in FORMATS:
+            raise InvalidInputError(f"--export: expected a format among {', '.join(FORMATS)}, found {fmt!r}")
+        _check_output_path(target)
+        exports[fmt] = target
+    if exports and not args.output:
+        raise InvalidInputError("--export: needs -o (the placement file it exports is written beside the plan)")
+    if args.ray_address and args.executor != "ray":
+        raise InvalidInputError("--ray-address: only with --executor ray")
+    job = read_job(args.job)
+    cluster = read_cluster(args.cluster)
+    space = parse_candidates(args.candidates) if args.candidates else None
+    executor = make_executor(args.executor, workers=args.workers, address=args.ray_address)
+    try:
+        result = plan(job, cluster, candidates=space, time_limit_s=args.time_limit, seed=args.seed,
+                      executor=executor, started_at=started_at)
+    finally:
+        executor.close()
+    if args.output:
+        written = write_plan(result, args.output, exports=exports)
+    if args.json:
+        print(json.dumps(plan_document(result), indent=1, sort_keys=True))
+    else:
+        print(plan_table(result, top=args.top))
+        if args.output:
+            print("wrote " + ", ".join(str(p) for p in written.values()))
+    return EXIT_OK
+
+
 def _cmd_import(args: argparse.Namespace) -> int:
     from placement.api import import_routing, save_instance
 
@@ -530,6 +576,25 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("instance", help="instance JSON file")
     ve.add_argument("placement", help="placement file")
 
+    from placement.executor import EXECUTOR_NAMES
+    from placement.plan import DEFAULT_PLAN_TIME_LIMIT_S
+
+    pl = sub.add_parser("plan", help="choose the job's parallel layout and placement for the free GPUs (docs/plan.md)")
+    pl.add_argument("job", help="job JSON file (model, batch, precision, routing source)")
+    pl.add_argument("--cluster", required=True, help="cluster JSON file (racks, trays down, links, GPU HBM)")
+    pl.add_argument("--candidates", metavar="SPEC", help="restrict the candidate set, e.g. 'pp=8,16 ep=32,64' (tp cp pp vpp ep dp mb)")
+    pl.add_argument("-o", "--output", help="write the plan JSON here, and beside it the recommendation's instance, placement and rack map")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON with stable keys")
+    pl.add_argument("--time-limit", type=float, default=DEFAULT_PLAN_TIME_LIMIT_S, metavar="S",
+                    help=f"wall-clock budget of the whole plan (default {DEFAULT_PLAN_TIME_LIMIT_S:g})")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--executor", default="local", choices=EXECUTOR_NAMES, help="where candidate solves run (default local)")
+    pl.add_argument("--ray-address", default=None, metavar="ADDR", help="Ray cluster address (--executor ray)")
+    pl.add_argument("--workers", type=int, default=None, help="worker processes (local) or CPUs (ray); default: the cores available")
+    pl.add_argument("--export", action="append", metavar="FORMAT=PATH",
+                    help="also export the recommendation as placement export writes it (repeatable; needs -o)")
+    pl.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+
     sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")
     sh.add_argument("placement", help="placement file, or 'default' (the default layout; needs -o)")
     sh.add_argument("--instance", help="the instance file the placement was solved for (required)")
@@ -588,6 +653,8 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
             return _cmd_verify(args)
         if args.command == "show":
             return _cmd_show(args)
+        if args.command == "plan":
+            return _cmd_plan(args, started_at)
         if args.command == "import":
             if args.heldout_steps is not None and args.heldout_steps < 1:
                 raise InvalidInputError(f"--heldout-steps: expected a positive integer, found {args.heldout_steps}")
