@@ -52,6 +52,8 @@ __all__ = [
     "INSTANCE_SPEC",
     "PLACEMENT_SPEC",
     "read_instance",
+    "model_from_section",
+    "cluster_from_section",
     "write_instance",
     "read_placement",
     "write_placement",
@@ -744,6 +746,44 @@ def _window_tokens(where: Path, doc: dict, topk: np.ndarray) -> tuple[int, ...] 
     return tuple(int(t) for t in wt)
 
 
+def model_from_section(m: dict) -> MoEModel:
+    """The :class:`MoEModel` of an instance's (already validated) ``model`` section."""
+    return MoEModel(
+        name=m["name"],
+        num_layers=m["num_layers"],
+        moe_layers=tuple(m["moe_layers"]),
+        num_experts=m["num_experts"],
+        top_k=m["top_k"],
+        num_groups=m["num_groups"],
+        groups_per_token=m["groups_per_token"],
+        hidden_size=m["hidden_size"],
+        dispatch_bytes_per_token=m["dispatch_bytes_per_token"],
+        combine_bytes_per_token=m["combine_bytes_per_token"],
+        dispatch_grad_bytes_per_token=m.get("dispatch_grad_bytes_per_token", 0),
+        combine_grad_bytes_per_token=m.get("combine_grad_bytes_per_token", 0),
+    )
+
+
+def cluster_from_section(c: dict) -> Cluster:
+    """The :class:`Cluster` of an instance's (already validated) ``cluster`` section: unavailable
+    trays and GPUs become the ``available`` mask."""
+    n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
+    available = np.ones(n_gpus, dtype=bool)
+    available[c.get("unavailable_gpus", [])] = False
+    for d, t in c.get("unavailable_trays", []):
+        h = d * c["trays_per_domain"] + t
+        available[h * c["gpus_per_tray"] : (h + 1) * c["gpus_per_tray"]] = False
+    return Cluster(
+        num_domains=c["num_domains"],
+        trays_per_domain=c["trays_per_domain"],
+        gpus_per_tray=c["gpus_per_tray"],
+        available=available,
+        nvlink_gbps=float(c["nvlink_gbps"]),
+        scaleout_gbps=float(c["scaleout_gbps"]),
+        host_format=c.get("host_format", "rack{domain:02d}-tray{tray:02d}"),
+    )
+
+
 def read_instance(path: str | os.PathLike) -> Instance:
     """Read and validate an instance file and its routing ``.npz``.
 
@@ -763,20 +803,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
     window_tokens = _window_tokens(where, doc, topk)
 
     m, p, c = doc["model"], doc["parallel"], doc["cluster"]
-    model = MoEModel(
-        name=m["name"],
-        num_layers=m["num_layers"],
-        moe_layers=tuple(m["moe_layers"]),
-        num_experts=m["num_experts"],
-        top_k=m["top_k"],
-        num_groups=m["num_groups"],
-        groups_per_token=m["groups_per_token"],
-        hidden_size=m["hidden_size"],
-        dispatch_bytes_per_token=m["dispatch_bytes_per_token"],
-        combine_bytes_per_token=m["combine_bytes_per_token"],
-        dispatch_grad_bytes_per_token=m.get("dispatch_grad_bytes_per_token", 0),
-        combine_grad_bytes_per_token=m.get("combine_grad_bytes_per_token", 0),
-    )
+    model = model_from_section(m)
     parallel = ParallelLayout(
         tp=p["tp"],
         cp=p["cp"],
@@ -790,21 +817,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
         global_batch=p["global_batch"],
         etp=p.get("etp", 1),
     )
-    n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
-    available = np.ones(n_gpus, dtype=bool)
-    available[c.get("unavailable_gpus", [])] = False
-    for d, t in c.get("unavailable_trays", []):
-        h = d * c["trays_per_domain"] + t
-        available[h * c["gpus_per_tray"] : (h + 1) * c["gpus_per_tray"]] = False
-    cluster = Cluster(
-        num_domains=c["num_domains"],
-        trays_per_domain=c["trays_per_domain"],
-        gpus_per_tray=c["gpus_per_tray"],
-        available=available,
-        nvlink_gbps=float(c["nvlink_gbps"]),
-        scaleout_gbps=float(c["scaleout_gbps"]),
-        host_format=c.get("host_format", "rack{domain:02d}-tray{tray:02d}"),
-    )
+    cluster = cluster_from_section(c)
     digest = hashlib.sha256(raw + b"\0" + npz_raw).hexdigest()
     return Instance(
         name=doc["name"],

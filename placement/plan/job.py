@@ -24,6 +24,8 @@ from placement.formats import (
     _check_instance_semantics,
     _load_json,
     _performance,
+    cluster_from_section,
+    model_from_section,
     read_instance,
 )
 from placement.model import Cluster, CostMode, InvalidInputError, MoEModel
@@ -208,41 +210,6 @@ def _trivial_parallel(num_layers: int) -> dict:
     }
 
 
-def _model(m: dict) -> MoEModel:
-    return MoEModel(
-        name=m["name"],
-        num_layers=m["num_layers"],
-        moe_layers=tuple(m["moe_layers"]),
-        num_experts=m["num_experts"],
-        top_k=m["top_k"],
-        num_groups=m["num_groups"],
-        groups_per_token=m["groups_per_token"],
-        hidden_size=m["hidden_size"],
-        dispatch_bytes_per_token=m["dispatch_bytes_per_token"],
-        combine_bytes_per_token=m["combine_bytes_per_token"],
-        dispatch_grad_bytes_per_token=m.get("dispatch_grad_bytes_per_token", 0),
-        combine_grad_bytes_per_token=m.get("combine_grad_bytes_per_token", 0),
-    )
-
-
-def _cluster(c: dict) -> Cluster:
-    n_gpus = c["num_domains"] * c["trays_per_domain"] * c["gpus_per_tray"]
-    available = np.ones(n_gpus, dtype=bool)
-    available[c.get("unavailable_gpus", [])] = False
-    for d, t in c.get("unavailable_trays", []):
-        h = d * c["trays_per_domain"] + t
-        available[h * c["gpus_per_tray"] : (h + 1) * c["gpus_per_tray"]] = False
-    return Cluster(
-        num_domains=c["num_domains"],
-        trays_per_domain=c["trays_per_domain"],
-        gpus_per_tray=c["gpus_per_tray"],
-        available=available,
-        nvlink_gbps=float(c["nvlink_gbps"]),
-        scaleout_gbps=float(c["scaleout_gbps"]),
-        host_format=c.get("host_format", "rack{domain:02d}-tray{tray:02d}"),
-    )
-
-
 def _routing_source(where: Path, doc: dict, model: dict) -> RoutingSource:
     r = doc["routing"]
     if ("generator" in r) == ("instance" in r):
@@ -328,7 +295,7 @@ def read_job(path: str | os.PathLike[str]) -> Job:
         raise _fail(where, "batch.micro_batch", "duplicate micro-batch sizes")
     return Job(
         name=doc["name"],
-        model=_model(m),
+        model=model_from_section(m),
         performance=performance,
         global_batch=b["global_batch"],
         seq_len=b["seq_len"],
@@ -357,7 +324,7 @@ def read_cluster(path: str | os.PathLike[str]) -> ClusterSpec:
     reserve = float(doc.get("hbm_reserve_gb", DEFAULT_HBM_RESERVE_GB))
     if reserve >= doc["gpu_hbm_gb"]:
         raise _fail(where, "hbm_reserve_gb", f"the reserve {reserve:g} GB leaves nothing of gpu_hbm_gb={doc['gpu_hbm_gb']:g}")
-    return ClusterSpec(name=doc["name"], cluster=_cluster(c), gpu_hbm_gb=float(doc["gpu_hbm_gb"]), hbm_reserve_gb=reserve)
+    return ClusterSpec(name=doc["name"], cluster=cluster_from_section(c), gpu_hbm_gb=float(doc["gpu_hbm_gb"]), hbm_reserve_gb=reserve)
 
 
 def cluster_from_instance(instance: Any, *, gpu_hbm_gb: float, hbm_reserve_gb: float = DEFAULT_HBM_RESERVE_GB) -> ClusterSpec:
