@@ -39,31 +39,8 @@ from solvers.experts.lower_bounds import (
     layer_lower_bound,
 )
 from tests.conftest import INSTANCES, random_instance
-
-
-def _all_class_maps(capacity):
-    """Every expert -> class map with exactly ``capacity[c]`` experts in class ``c``."""
-    E = int(sum(capacity))
-
-    def rec(free, c, e2c):
-        if c == len(capacity) - 1:
-            e2c[list(free)] = c
-            yield e2c.copy()
-            return
-        for chosen in itertools.combinations(free, int(capacity[c])):
-            e2c[list(chosen)] = c
-            yield from rec(tuple(e for e in free if e not in chosen), c + 1, e2c)
-
-    yield from rec(tuple(range(E)), 0, np.empty(E, dtype=np.int64))
-
-
-def _keeps_groups(problem, e2c):
-    """Independent check: a bijection of expert groups onto group positions matches every group's class counts."""
-    gs, B, C = problem.expert_group_size, problem.num_group_positions, problem.num_classes
-    s2c = problem.slot2class
-    block = [np.bincount(s2c[b * gs:(b + 1) * gs], minlength=C).tolist() for b in range(B)]
-    group = [np.bincount(e2c[p * gs:(p + 1) * gs], minlength=C).tolist() for p in range(B)]
-    return any(all(group[p] == block[perm[p]] for p in range(B)) for perm in itertools.permutations(range(B)))
+from tests.test_experts import _all_class_maps
+from tests.test_experts import _group_preserving as _keeps_groups
 
 
 def _skewed_instance(rng, mode, groups, top_k, domains):
