@@ -7,12 +7,15 @@ Schedule (deterministic; ``docs/plan.md``):
    traffic and each MoE layer at a lower bound of its expert load) gives an upper bound on job
    tokens/s (:func:`placement.plan.bounds.tokens_per_s_bound`).
 3. Phase 1, cheap scores: the ``default`` layout of every candidate and the ``segment`` rule of
-   those whose EP groups fit whole in racks, in bound order (then key), rounds of ``lanes`` items
-   through the executor; the first item whose bound is below the best score so far ends the phase
-   (all later bounds are lower: pruned).  At most :data:`PHASE1_SHARE` of the budget: the scores
-   give the solves a pruning threshold and the ``default`` peer rows.
+   those whose EP groups fit whole in racks, round robin over the (method, EP size) groups, each in
+   bound order (then key), so that every EP size of both methods is scored early (the segment
+   rule's best layouts leave GPUs idle and bound below the full-width ones); rounds of ``lanes``
+   items through the executor; an item whose bound is below the best score so far is skipped
+   (pruned).  At most :data:`PHASE1_SHARE` of the budget: the scores give the solves a pruning
+   threshold, an order and the ``default`` peer rows.
 4. Phase 2, solves: ``cpsat`` for every candidate and ``segment+cpsat`` for every segment rule,
-   best bound first, except that the best-bound segment candidate goes first (the segment rule's
+   by promise (the phase-1 score of the same layout, best first; then bound order for what phase
+   1 did not reach), except that the best-scored segment candidate goes first (the segment rule's
    reference is always solved); an item whose bound is below the best predicted job tokens/s so
    far is skipped (pruned).
 5. Time: each solve gets ``min(MAX_SOLVE_S, remaining / min(items left, PLANNED_SOLVES))`` of the
@@ -273,7 +276,7 @@ def plan(
         items1.append((c, "default"))
         if _segment_fits(cl, c):
             items1.append((c, "segment"))
-    items1.sort(key=lambda it: (-bounds[it[0].key], it[0].key, it[1]))
+    items1 = _interleaved(items1, bounds)
 
     ids = L * (S * T + held.shape[1] * held.shape[2]) * k
     scoring_s = SCORING_S_PER_ID * ids
@@ -314,16 +317,17 @@ def plan(
 
     scored: dict[tuple[str, str], float] = {}  # (key, phase-1 method) -> predicted job tokens/s
     try:
-        # Phase 1: bound order; stop at the first bound below the best score (all later are lower).
+        # Phase 1: round robin over (method, EP size), each in bound order; an item whose bound is
+        # below the best score so far is skipped (it cannot win).
         i = 0
         while i < len(items1) and not deadline_hit:
             round_items: list[tuple[Candidate, str, float]] = []
             while i < len(items1) and len(round_items) < lanes:
                 cand, method = items1[i]
                 if prune and bounds[cand.key] < best:
-                    pruned += len(items1) - i
-                    i = len(items1)
-                    break
+                    pruned += 1
+                    i += 1
+                    continue
                 if phase1_cap < eval_s or remaining < eval_s:
                     unsolved += len(items1) - i
                     i = len(items1)
@@ -341,7 +345,11 @@ def plan(
                 scored[(c.key, m)] = float(v.figures["predicted_job_tokens_per_s"])
         # Phase 2: the solves, best bound first, each skipped when its bound is below the best so
         # far; the best-bound segment candidate's solve goes first.
-        items2 = [(c, "cpsat" if m == "default" else "segment+cpsat") for c, m in items1]  # bound order
+        # Solves by promise: the phase-1 score of the candidate's layout (best first), then bound order
+        # for the candidates phase 1 did not reach; the best-scored segment candidate's solve goes first.
+        by_bound = sorted(items1, key=lambda it: (-bounds[it[0].key], it[0].key, it[1]))
+        items2 = [(c, "cpsat" if m == "default" else "segment+cpsat") for c, m in by_bound]
+        items2.sort(key=lambda it: (-scored.get((it[0].key, "default" if it[1] == "cpsat" else "segment"), -math.inf),))
         first_segment = next((j for j, it in enumerate(items2) if it[1] == "segment+cpsat"), None)
         if first_segment is not None:
             items2.insert(0, items2.pop(first_segment))
@@ -412,6 +420,23 @@ def plan(
         counts=counts, rows=tuple(rows), by_tokens_per_gpu=tuple(per_gpu), deadline_hit=deadline_hit,
         infeasible_examples=enum.examples, instance=inst, variant=variants[(top.key, top.variant)],
     )
+
+
+def _interleaved(items: list[tuple[Candidate, str]], bounds: dict[str, float]) -> list[tuple[Candidate, str]]:
+    """Phase-1 order: round robin over the (method, EP size) groups, best bound first inside each
+    and groups ordered by their best bound, so that the cheap scores reach every EP size and both
+    methods (the segment rule's best layouts often leave GPUs idle and bound below the full-width
+    ones) before the budget runs out.  Deterministic."""
+    groups: dict[tuple[str, int], list[tuple[Candidate, str]]] = {}
+    for it in sorted(items, key=lambda it: (-bounds[it[0].key], it[0].key, it[1])):
+        groups.setdefault((it[1], it[0].ep), []).append(it)
+    queues = list(groups.values())  # in order of each group's best bound (dicts keep insertion order)
+    out: list[tuple[Candidate, str]] = []
+    depth = 0
+    while len(out) < len(items):
+        out.extend(q[depth] for q in queues if depth < len(q))
+        depth += 1
+    return out
 
 
 def _run(task: Task) -> TaskResult:
