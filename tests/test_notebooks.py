@@ -19,7 +19,7 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = {"ep_size", "racks_and_trays", "time_limit_and_cost_mode", "drift", "throughput"}
+EXPECTED = {"ep_size", "racks_and_trays", "time_limit_and_cost_mode", "drift", "throughput", "plan"}
 CELL_TIMEOUT_S = 300
 
 

@@ -130,3 +130,36 @@ def test_ray_missing_is_a_one_line_invalid_input(monkeypatch):
         RayExecutor()
     assert str(info.value) == RAY_MISSING and "\n" not in RAY_MISSING
     assert "pip install 'placement[ray]'" in RAY_MISSING
+
+
+def test_plan_is_the_same_document_with_ray_and_local_executors(ray, executor, tmp_path):
+    """Issue 15 item 4: a plan does not depend on which executor runs its solves (the tiny job and
+    cluster, a few candidates; ``make_executor("ray")`` joins the module's Ray instance)."""
+    from placement.executor import make_executor
+    from placement.plan import CandidateSpace, plan, plan_document, read_cluster, read_job
+
+    tiny = json.loads((INSTANCES / "tiny.json").read_text())
+    job_doc = {
+        "schema_version": 1, "kind": "job", "name": "tiny_job", "model": tiny["model"],
+        "performance": {k: v for k, v in tiny["performance"].items() if k != "vpp"},
+        "batch": {"global_batch": 32, "seq_len": 512, "micro_batch": [1]},
+        "routing": {"instance": str(INSTANCES / "tiny.json")},
+    }
+    cluster_doc = {"schema_version": 1, "kind": "cluster", "name": "tiny_cluster", **tiny["cluster"],
+                   "gpu_hbm_gb": 1.0, "hbm_reserve_gb": 0.0}
+    (tmp_path / "job.json").write_text(json.dumps(job_doc))
+    (tmp_path / "cluster.json").write_text(json.dumps(cluster_doc))
+    job, cluster = read_job(tmp_path / "job.json"), read_cluster(tmp_path / "cluster.json")
+    space = CandidateSpace(tp=(1,), cp=(1,), pp=(1, 2), vpp=(1,), ep=(4, 8), dp=(4, 8), micro_batch=(1,))
+    documents = {}
+    for name in ("local", "ray"):
+        ex = make_executor(name, workers=2)
+        try:
+            result = plan(job, cluster, candidates=space, time_limit_s=60, seed=0, executor=ex)
+        finally:
+            ex.close()
+        assert not result.deadline_hit  # a round cut by the wall clock would make the comparison moot
+        documents[name] = dumps(plan_document(result))
+    assert ray.is_initialized()  # make_executor("ray") joined the fixture's Ray and left it running
+    assert json.loads(documents["local"])["counts"]["solved"] >= 2
+    assert documents["ray"] == documents["local"]
