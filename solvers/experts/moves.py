@@ -310,36 +310,23 @@ def _group_path(problem: LayerProblem, nets: NetSet, start: np.ndarray, cap: np.
     on ``crossings + linear`` (each group re-placed inside its new type by the exact assignment on
     the move deltas, as :class:`solvers.experts.swap.SwapSearch` does), then swaps inside groups;
     the map after each exchange, in order (a path from ``start`` of growing moves)."""
-    from solvers.kernels import assign_to_counts
+    from solvers.experts.swap import group_exchanges
 
     kernel = MoveSwapKernel(
         nets.experts, problem.class_sig[:, nets.group], nets.src, nets.weight,
         num_items=problem.num_experts, num_domains=problem.num_domains, cost_mode=problem.cost_mode,
         load=problem.load, swap_label=problem.expert2group, linear=linear,
     )
-    _, type_count, _ = problem.position_types
-    gs, P = problem.expert_group_size, problem.num_group_positions
     e2c = np.array(start, dtype=np.int64)
     cap_eff = None if cap is None else np.maximum(cap, problem.class_loads(e2c))
     out: list[np.ndarray] = []
     for _ in range(max_moves):
-        g2t = group2type_of(problem, e2c)
-        assert g2t is not None  # group-preserving mode
         kernel.init_state(e2c)
         best_val, best_map = kernel.total(e2c) - 0.5, None
-        for p in range(P):
-            for q in range(p + 1, P):
-                if g2t[p] == g2t[q]:
-                    continue
-                cand = e2c.copy()
-                for grp, t in ((p, g2t[q]), (q, g2t[p])):
-                    sl = slice(grp * gs, (grp + 1) * gs)
-                    cand[sl], _ = assign_to_counts(kernel.M[sl], type_count[t])
-                if cap_eff is not None and (problem.class_loads(cand) > cap_eff).any():
-                    continue
-                v = kernel.total(cand)
-                if v < best_val:
-                    best_val, best_map = v, cand
+        for cand in group_exchanges(problem, e2c, kernel.M, cap_eff):
+            v = kernel.total(cand)
+            if v < best_val:
+                best_val, best_map = v, cand
         if best_map is None:
             break
         e2c = best_map

@@ -10,6 +10,8 @@ its experts inside its new type by the exact assignment on the current move delt
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from typing import Callable
 
 import numpy as np
@@ -68,30 +70,37 @@ class SwapSearch:
 
     def _group_move(self, e2c: np.ndarray, cap: np.ndarray | None) -> bool:
         """Best exchange of position types between two expert groups (in place); True if one improved."""
-        g2t = group2type_of(self.p, e2c)
-        assert g2t is not None  # group-preserving mode
-        _, type_count, _ = self.p.position_types
-        gs = self.p.expert_group_size
-        M = self.kernel.M
         best_val, best_map = self.cost(e2c), None
-        P = self.p.num_group_positions
-        for p in range(P):
-            for q in range(p + 1, P):
-                if g2t[p] == g2t[q]:
-                    continue
-                cand = e2c.copy()
-                for grp, t in ((p, g2t[q]), (q, g2t[p])):
-                    sl = slice(grp * gs, (grp + 1) * gs)
-                    cand[sl], _ = assign_to_counts(M[sl], type_count[t])
-                if cap is not None and (self.p.class_loads(cand) > cap).any():
-                    continue
-                v = self.cost(cand)
-                if v < best_val:
-                    best_val, best_map = v, cand
+        for cand in group_exchanges(self.p, e2c, self.kernel.M, cap):
+            v = self.cost(cand)
+            if v < best_val:
+                best_val, best_map = v, cand
         if best_map is None:
             return False
         e2c[:] = best_map
         return True
+
+
+def group_exchanges(problem: LayerProblem, e2c: np.ndarray, M: np.ndarray, cap: np.ndarray | None) -> Iterator[np.ndarray]:
+    """Group-preserving maps one exchange away from ``e2c`` (E,): for every pair of expert groups
+    on different position types, in order, the two swap types and each is re-placed inside its new
+    type by the exact assignment on the move deltas ``M`` (E, C); those within ``cap`` (when
+    given) are yielded, each a new array."""
+    g2t = group2type_of(problem, e2c)
+    assert g2t is not None  # group-preserving mode
+    _, type_count, _ = problem.position_types
+    gs, P = problem.expert_group_size, problem.num_group_positions
+    for p in range(P):
+        for q in range(p + 1, P):
+            if g2t[p] == g2t[q]:
+                continue
+            cand = e2c.copy()
+            for grp, t in ((p, g2t[q]), (q, g2t[p])):
+                sl = slice(grp * gs, (grp + 1) * gs)
+                cand[sl], _ = assign_to_counts(M[sl], type_count[t])
+            if cap is not None and (problem.class_loads(cand) > cap).any():
+                continue
+            yield cand
 
 
 def _kick(problem: LayerProblem, cur: np.ndarray, cap: np.ndarray, rng: np.random.Generator, kick: int) -> None:
