@@ -698,3 +698,38 @@ def test_the_deadline_cuts_a_long_scoring_promptly(monkeypatch):
     assert elapsed < 1.5, elapsed
     assert plan.wall_clock_cut is True
     assert check(inst, Placement(plan.rank2gpu, plan.phy2log)) == []
+
+
+def _straddling_groups(seed: int = 0) -> Instance:
+    """Wide EP (EP16, 4 expert groups of 4 on 4 GPUs each) on domains of 8 GPUs in trays of 2, with
+    6 free in each: the tightest packings (6 + 6 + 4) put group positions across domains."""
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=16, top_k=4, ep=16, dp=16, pp=1, num_domains=4, trays_per_domain=4,
+                           gpus_per_tray=2, tokens=8, moe_layers=2, num_groups=4, groups_per_token=2)
+    available = np.ones(inst.cluster.num_gpus, dtype=bool)
+    available[[0, 1, 8, 9, 16, 17, 24, 25]] = False  # one tray down in every domain: free 6, 6, 6, 6
+    return _with_available(inst, available)
+
+
+def test_group_aligned_candidate_keeps_group_positions_in_one_domain():
+    inst = _straddling_groups()
+    plan = _plan(inst, group_preserving=True)
+    cands = plan.details["candidates"]
+    assert "first_fit, whole expert groups" in cands
+    plan_free = _plan(inst, group_preserving=False)
+    assert "first_fit, whole expert groups" not in plan_free.details["candidates"]
+    # the candidate's layout: every domain holds a whole number of group positions (4 GPUs)
+    from solvers.layout.plan import LayoutPlanner
+
+    planner = LayoutPlanner(inst.for_solver(), SolveOptions(num_workers=1, objective="total", group_preserving=True),
+                            deadline=time.monotonic() + 60, work_s=None)
+    planner.score_peers()
+    cand = next(c for c in planner.cands if c.name == "first_fit, whole expert groups")
+    counts = np.bincount(inst.cluster.gpu2domain[cand.rank2gpu], minlength=inst.cluster.num_domains)
+    assert all(c % 4 == 0 for c in counts) and counts.sum() == 16
+    placement = Placement(cand.rank2gpu, cand.estimate["phy2log"])
+    assert check(inst, placement) == []
+    # its estimate is the evaluator's bytes
+    assert evaluate(inst, placement).cross_domain_bytes_per_step == pytest.approx(cand.estimate["total_bytes"])
+    # and the chosen layout is never worse on the objective than this candidate
+    assert plan.details["estimated_total_bytes"] <= cand.estimate["total_bytes"] + 1e-6

@@ -32,8 +32,9 @@ Step 2, footprints, jointly with the experts at domain granularity.  A block's *
     Candidates (:mod:`.candidates`).  Complete layouts are scored on the estimator and compete at
     the end: the ``default`` layout, ``packed`` (:func:`solvers.packed.packed_rank2gpu`, whole EP
     groups packed into racks, best fit), ``first_fit`` (blocks with most MoE layers first, each
-    into the tightest domain that holds it), the MILP's pick and the pick with moved replicas
-    (Step 3).  The default and packed layouts are scored before anything else, whatever the
+    into the tightest domain that holds it), under group-preserving maps ``first_fit, whole expert
+    groups`` (first fit in parts of one group position, so no group position straddles domains),
+    the MILP's pick and the pick with moved replicas (Step 3).  The default and packed layouts are scored before anything else, whatever the
     budget, so the layout returned at any limit is never worse than either on the estimator.
 Step 3, data-parallel sources (:mod:`.replicas`).  On a straddling block, replicas and experts
     are alternated (replicas to parts by an assignment problem, experts placed again) until neither

@@ -53,8 +53,8 @@ STEP_TIME_RANK_EVALS = 6
 #: search may spend; the ``bottleneck`` search gets the rest (what ``total`` left unspent included).
 STEP_TIME_TOTAL_SHARE = 0.5
 METHOD = ("footprints by a MILP over lazily priced shapes, experts placed per shape (joint at domain "
-          "granularity); replicas <-> experts alternation on straddling blocks; default, packed and "
-          "first-fit layouts as candidates")
+          "granularity); replicas <-> experts alternation on straddling blocks; default, packed, "
+          "first-fit and (group-preserving) whole-group first-fit layouts as candidates")
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,40 @@ class LayoutPlanner:
         if self.default_ok:
             self.est_default = self.add("default", self.default_r2g, default_feet, default_a2p)
             hints.insert(0, default_feet)
+        aligned = self.add_group_aligned([packed_feet, default_feet])
+        if aligned is not None:
+            hints.append(aligned)
         return hints
+
+    def group_unit(self) -> int | None:
+        """GPUs of one group position (the EP ranks that host one expert group, times the TP x CP
+        atom) when expert maps are group-preserving and every block is a whole number of them, else
+        None."""
+        if not self.gp or self.equal_only or not self.blocks:
+            return None
+        m, epr = self.instance.model, self.instance.experts_per_rank
+        if m.experts_per_group % epr:
+            return None
+        unit = self.blocks[0].atom_size * (m.experts_per_group // epr)
+        if unit <= 1 or any(b.size % unit or b.ep_groups.shape[0] != 1 for b in self.blocks):
+            return None
+        return unit
+
+    def add_group_aligned(self, seen: Sequence[Footprints]) -> Footprints | None:
+        """Group-preserving maps only: the first-fit layout in parts of whole group positions, a
+        candidate scored with the peers.  Each domain then holds whole expert groups, so no group
+        position straddles two domains (a straddling position costs crossings and leaves the group
+        assignment bound loose); the ranking decides whether the bytes or the step time it gains
+        beat the tighter packings.  Returns its footprints (a hint), or None."""
+        unit = self.group_unit()
+        if unit is None:
+            return None
+        feet = first_fit(self.blocks, self.free, unit)
+        if feet is None or any(list(feet) == list(f) for f in seen if f):
+            return None
+        a2ps = [self.scorer.slices(blk, shape_of(f)) for blk, f in zip(self.blocks, feet)]
+        self.add("first_fit, whole expert groups", assign_gpus(self.instance, self.blocks, feet, a2ps)[0], feet, a2ps)
+        return feet
 
     def unit_shapes(self, unit: int) -> list[list[tuple[int, ...]]]:
         """Per block, the candidate shapes in parts of ``unit`` GPUs (or of its atoms)."""
