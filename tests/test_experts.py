@@ -364,3 +364,35 @@ def test_a_pool_whose_workers_cannot_start_ends_by_the_deadline(initializer, cap
     assert "process pool broke" in caplog.text
     assert elapsed < 8 + 30, f"returned {elapsed - 8:.0f} s after the deadline"
     assert check(inst, Placement(r2g, plan.phy2log)) == []
+
+
+def test_a_stop_request_reaches_the_pool_workers_and_their_layers_answer(caplog):
+    """A stop request while pool workers are inside their layers: the request is relayed to them and
+    the layers in flight return their best maps so far (no fallback), the rest keep their fallback
+    map, and the call returns promptly.  Before the relay the workers were killed at once and every
+    unsolved layer, those in flight included, fell back."""
+    import threading
+
+    from placement.formats import read_instance
+    from tests.conftest import INSTANCES
+
+    inst = read_instance(INSTANCES / "dsv3_ep256.json").for_solver()  # layers long enough to be in flight
+    r2g = default_rank2gpu(inst)
+    stop = threading.Event()
+    timer = threading.Timer(10.0, stop.set)  # the spawned workers are inside their first layers by then
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        # a work budget far beyond the deadline: only the stop can end the layers in flight
+        plan = place_experts(inst, r2g, SolveOptions(time_limit_s=120, seed=1, num_workers=2, stop_event=stop),
+                             deadline=t0 + 120, deterministic_time=5000.0, use_pool=True)
+    finally:
+        timer.cancel()
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10.0 + 30.0, f"returned {elapsed - 10:.0f} s after the stop"
+    layers = [d for d in plan.details["layers"] if d.get("status") != "trivial"]
+    answered = [d for d in layers if "fallback_reason" not in d]
+    assert answered, "no layer in flight returned its incumbent"
+    assert all(d["stopped_early"] for d in answered)
+    assert any("fallback_reason" in d for d in layers)  # the stop did end the solve early
+    assert check(inst, Placement(r2g, plan.phy2log)) == []

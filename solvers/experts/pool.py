@@ -22,7 +22,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from solvers.experts.tuning import (
     DET_PER_WALL_S,
     GPU_LOAD_TOLERANCE,
     POOL_MIN_PAIRS,
+    STOP_GRACE_S,
     VALIDATION_FRACTION,
 )
 from solvers.kernels import bytes_per_crossing, domain_classes
@@ -151,11 +152,16 @@ _CHILD_WORKER: list[LayerWorker] = []
 
 
 def _init_pool_worker(instance: Instance, rank2gpu: np.ndarray, group_preserving: bool,
-                      validation_fraction: float) -> None:
-    """Pool initializer: leave SIGINT/SIGTERM to the parent (it stops the solve and kills us)."""
+                      validation_fraction: float, stop_flag: Any = None) -> None:
+    """Pool initializer: leave SIGINT/SIGTERM to the parent (it stops the solve and kills us).
+
+    ``stop_flag`` (a ``multiprocessing`` event of the pool's context) is the parent's stop request
+    relayed to this process: the layers poll it as they poll their deadline and return their best
+    map so far."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _CHILD_WORKER[:] = [LayerWorker(instance, rank2gpu, group_preserving, validation_fraction)]
+    options = SolveOptions(stop_event=stop_flag) if stop_flag is not None else None
+    _CHILD_WORKER[:] = [LayerWorker(instance, rank2gpu, group_preserving, validation_fraction, options)]
 
 
 def _pool_task(task: LayerTask) -> LayerOutcome:
@@ -210,13 +216,20 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
               options: SolveOptions, initializer: Callable[..., None] | None = None) -> None:
     """Run layer tasks in a pool of ``workers`` spawned processes until done, the deadline or a stop.
 
-    The parent polls :meth:`SolveOptions.should_stop` while it waits.  At the deadline or a stop our
-    own workers (which ignore SIGINT/SIGTERM) are killed and the unsolved layers keep their fallback
-    map; if the pool breaks (a worker died or its ``initializer`` failed), the workers are killed and
-    the remaining layers are solved in this process, each up to the deadline.
+    The parent polls :meth:`SolveOptions.should_stop` while it waits.  At a stop request it relays
+    the request to the workers (an event of the pool's context) and waits up to
+    :data:`STOP_GRACE_S` for the layers in flight to return their best maps so far (a layer polls
+    the stop between units of work; layers not started return at once).  At the deadline (the
+    layers have already returned theirs :data:`~solvers.experts.tuning.ANYTIME_GRACE_S` before it)
+    or when that grace ends, our own workers (which ignore SIGINT/SIGTERM) are killed and the layers
+    still unsolved keep their fallback map; if the pool breaks (a worker died or its ``initializer``
+    failed), the workers are killed and the remaining layers are solved in this process, each up to
+    the deadline.
     """
-    init_args = (worker.instance, worker.rank2gpu, worker.group_preserving, worker.validation_fraction)
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
+    ctx = get_context("spawn")
+    stop_flag = ctx.Event()
+    init_args = (worker.instance, worker.rank2gpu, worker.group_preserving, worker.validation_fraction, stop_flag)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                                initializer=initializer or _init_pool_worker, initargs=init_args)
     futures: dict = {}
     reason = None
@@ -231,6 +244,14 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
                 finished(fut.result())
             if pending and (time.monotonic() >= deadline or options.should_stop()):
                 reason = "stop requested" if options.stop_requested() else "deadline reached"
+                if reason == "stop requested":
+                    stop_flag.set()
+                    grace_end = min(deadline, time.monotonic() + STOP_GRACE_S)
+                    while pending and time.monotonic() < grace_end:
+                        done, pending = wait(pending, timeout=min(0.05, max(0.0, grace_end - time.monotonic())),
+                                             return_when=FIRST_COMPLETED)
+                        for fut in sorted(done, key=lambda f: futures[f]):
+                            finished(fut.result())
                 break
     except BrokenProcessPool as exc:
         # A worker died (killed from outside, out of memory, an unguarded __main__ under "spawn").
@@ -246,8 +267,10 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
     if reason is None:
         pool.shutdown(wait=True)
         return
-    log.warning("expert placement: %s with %d layers unsolved; they keep the layout's map (else the default)",
-                reason, sum(1 for t in tasks if t.layer not in outcomes))
+    unsolved = sum(1 for t in tasks if t.layer not in outcomes)
+    if unsolved:
+        log.warning("expert placement: %s with %d layers unsolved; they keep the layout's map (else the default)",
+                    reason, unsolved)
     _kill_workers(pool)
     pool.shutdown(wait=False, cancel_futures=True)
     for task in tasks:

@@ -23,6 +23,7 @@ __all__ = [
     "SEARCH_S_PER_LINK",
     "MIN_SEARCH_NETS",
     "ANYTIME_GRACE_S",
+    "STOP_GRACE_S",
     "USE_KAHYPAR_START",
 ]
 
@@ -81,6 +82,10 @@ MIN_SEARCH_NETS = 2_000
 #: placer's deadline and return their best map so far, so that a process pool's results arrive before
 #: the parent stops waiting for them.
 ANYTIME_GRACE_S = 3.0
+#: At a stop request (not the deadline), how long the process pool waits for the layers in flight
+#: to return their best maps so far (they poll the relayed request between units of work) before
+#: its workers are killed and the rest keep their fallback map.
+STOP_GRACE_S = 1.0
 #: Also start the swap search from Mt-KaHyPar's partition (the ``peers`` extra) when installed.  Off:
 #: the multilevel coarsening start (no extra) matched it on the real routing instances, and with it
 #: off a placement does not depend on whether the extra is installed (``docs/experts.md``).
