@@ -80,7 +80,9 @@ def _load(name_or_path: str) -> Instance:
 
 
 def _committed_instances() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "instances").glob("*.json"))
+    """The committed instance files (job and cluster files, which carry a ``kind``, are not instances)."""
+    return sorted(p.stem for p in (ROOT / "instances").glob("*.json")
+                  if "kind" not in json.loads(p.read_text(encoding="utf-8")))
 
 
 def _run_solver(instance: Instance, name: str, time_limit_s: float, seed: int, workers: int, *,
