@@ -119,6 +119,27 @@ def run(out_path: str) -> None:
     rt.remove(handles)
     with torch.no_grad():
         result["unhooked_loss_diff"] = abs(loss_of(physical, 12).item() - loss_of(logical, 12).item())
+
+    # the exact file `placement export --format megatron --keep-router` writes, applied as users do:
+    # the torch_dist checkpoint permuted with it (keep_router) and the hooks installed from it
+    from tests.stacks.tiny import keep_router_export
+
+    with tempfile.TemporaryDirectory() as tmp:
+        perm = keep_router_export(tmp, "megatron", (0, 1), [NON_GROUP_PRESERVING, NON_GROUP_PRESERVING[::-1]])
+        result["export_group_preserving"] = json.loads(Path(perm).read_text())["group_preserving"]
+        logical = megatron_gpt(21)
+        src, dst = Path(tmp) / "src", Path(tmp) / "dst"
+        src.mkdir()
+        dist_checkpointing.save(logical.sharded_state_dict(), str(src))
+        ck.permute_dcp(src, dst, str(perm), keep_router=True)
+        physical = megatron_gpt(22)  # other weights: everything must come from the checkpoint
+        physical.load_state_dict(dist_checkpointing.load(physical.sharded_state_dict(), str(dst)))
+        handles = rt.install_megatron(physical, str(perm))
+        with torch.no_grad():
+            result["export_file_hook_loss_diff"] = abs(loss_of(physical, 13).item() - loss_of(logical, 13).item())
+        rt.remove(handles)
+        with torch.no_grad():
+            result["export_file_unhooked_loss_diff"] = abs(loss_of(physical, 13).item() - loss_of(logical, 13).item())
     Path(out_path).write_text(json.dumps(result))
 
 

@@ -55,3 +55,12 @@ def test_runtime_map_non_group_preserving_same_outputs_and_gradients(job):
     assert job["hook_grad_max_diff"] < 1e-6
     assert job["hook_bias_counts_equal"]  # aux-loss-free counts stay logical
     assert job["unhooked_loss_diff"] > 1e-6  # without the map the permuted model differs
+
+
+def test_the_keep_router_export_file_is_what_the_checkpoint_tool_and_the_hooks_apply(job):
+    """The exact file ``placement export --format megatron --keep-router`` writes for a group-breaking
+    placement: a torch_dist checkpoint permuted with it and the hooks installed from it give the
+    logical model's loss; without the hooks the model differs."""
+    assert job["export_group_preserving"] is False
+    assert job["export_file_hook_loss_diff"] < 1e-6
+    assert job["export_file_unhooked_loss_diff"] > 1e-6

@@ -146,3 +146,35 @@ def test_runtime_map_non_group_preserving_same_outputs_and_gradients():
             torch.testing.assert_close(gb, ga[NON_GROUP_PRESERVING], atol=1e-6, rtol=0)
     rt.remove(handles)
     assert (physical(x) - logical(x)).abs().max().item() > 1e-3  # without the map the model differs
+
+
+def test_the_keep_router_export_file_is_what_the_checkpoint_tool_and_the_hooks_apply(tmp_path):
+    """End to end with the exact file ``placement export --format torchtitan --keep-router`` writes for a
+    group-breaking placement: the checkpoint permuted with it (``keep_router``) and the hooks
+    installed from it give the logical model's loss, next optimizer step included; without the hooks
+    the model differs, and the plain export of the same placement is refused."""
+    from tests.stacks.tiny import keep_router_export
+
+    maps = [NON_GROUP_PRESERVING, NON_GROUP_PRESERVING[::-1]]
+    (tmp_path / "export").mkdir()
+    path = keep_router_export(tmp_path / "export", "torchtitan", LAYERS, maps)
+    model, opt = trained(0)
+    save(model, opt, tmp_path / "ckpt")
+    ck.permute_dcp(tmp_path / "ckpt", tmp_path / "perm", str(path), keep_router=True)
+    loaded, opt2 = load(tmp_path / "perm")
+    handles = rt.install_torchtitan(loaded, str(path))
+    x, y = batch(7)
+    assert abs(loss_of(loaded, x, y).item() - loss_of(model, x, y).item()) < 1e-6
+    for m, o in ((model, opt), (loaded, opt2)):  # the next optimizer step
+        loss_of(m, x, y).backward()
+        o.step()
+        o.zero_grad()
+    x2, y2 = batch(8)
+    assert abs(loss_of(loaded, x2, y2).item() - loss_of(model, x2, y2).item()) < 1e-6
+    rt.remove(handles)
+    assert abs(loss_of(loaded, x2, y2).item() - loss_of(model, x2, y2).item()) > 1e-6
+    from placement.cli import main as cli_main
+
+    code = cli_main(["export", "--format", "torchtitan", "--instance", str(tmp_path / "export" / "instance.json"),
+                     "-o", str(tmp_path / "plain.json"), str(tmp_path / "export" / "placement.json")])
+    assert code == 3 and not (tmp_path / "plain.json").exists()

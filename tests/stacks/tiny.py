@@ -273,3 +273,52 @@ def titan_model(seed: int) -> Any:
             return x
 
     return Model()
+
+
+# ---------------------------------------------------------------------------------------------
+# The file `placement export --keep-router` writes, for the checkpoint models' shape
+# ---------------------------------------------------------------------------------------------
+def keep_router_export(tmp: "os.PathLike[str] | str", stack: str, moe_layers: tuple[int, ...],
+                       maps: "list[list[int]]") -> Any:
+    """Run ``placement export --format STACK --keep-router`` on a placement file with expert maps
+    ``maps`` (phy2log per MoE layer, group-breaking ones allowed) for an instance shaped like the
+    checkpoint models (:data:`NUM_EXPERTS` experts in 2 groups, top-2 within 1 group, MoE layers
+    ``moe_layers`` of ``max(moe_layers) + 1``; EP 2 on 4 GPUs), through the command line's own
+    entry point.  Returns the path of the permutation file it wrote."""
+    import dataclasses
+    from pathlib import Path
+
+    import numpy as np
+
+    from placement.cli import main as cli_main
+    from placement.formats import placement_document, read_instance, write_instance, write_placement
+    from placement.model import MoEModel, ParallelLayout, Placement, Routing
+    from solvers.default import default_rank2gpu
+    from tests.conftest import random_instance
+
+    tmp = Path(tmp)
+    rng = np.random.default_rng(0)
+    num_layers = max(moe_layers) + 1
+    inst = random_instance(rng, num_experts=NUM_EXPERTS, top_k=TOP_K, ep=2, dp=2, pp=1, num_domains=2,
+                           trays_per_domain=1, gpus_per_tray=2, tokens=8, moe_layers=len(moe_layers), num_groups=2,
+                           groups_per_token=1)
+    model: MoEModel = dataclasses.replace(inst.model, num_layers=num_layers, moe_layers=tuple(moe_layers))
+    par: ParallelLayout = dataclasses.replace(inst.parallel, stage_layers=(tuple(range(num_layers)),))
+
+    def window() -> Any:  # top-2 inside one group of 4, as the models route
+        shape = (len(moe_layers), 2, 8)
+        group = rng.integers(0, 2, size=shape + (1,))
+        within = np.sort(np.argsort(rng.random(shape + (4,)), axis=-1)[..., :TOP_K], axis=-1)
+        return within + 4 * group
+
+    inst = dataclasses.replace(inst, model=model, parallel=par, routing=Routing(window(), window()))
+    write_instance(inst, tmp / "instance.json")
+    inst = read_instance(tmp / "instance.json")
+    placement = Placement(default_rank2gpu(inst), np.asarray(maps, dtype=np.int64))
+    write_placement(tmp / "placement.json", placement_document(inst, placement, solver="test"))
+    out = tmp / f"{stack}_keep_router.json"
+    code = cli_main(["export", "--format", stack, "--keep-router", "--instance", str(tmp / "instance.json"),
+                     "-o", str(out), str(tmp / "placement.json")])
+    if code != 0:
+        raise RuntimeError(f"placement export --keep-router exited {code}")
+    return out
