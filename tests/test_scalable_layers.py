@@ -168,3 +168,70 @@ def test_a_stop_mid_layer_returns_the_incumbent_not_the_fallback(gp):
     assert cut.crossings <= default_all
     if not gp:
         assert full.crossings <= cut.crossings < default_all
+
+
+def _group_preserving_maps(problem, cap):
+    """Every group-preserving expert -> class map within ``cap`` (brute force: each expert group's
+    slots are a group position's slots, for every bijection of groups onto positions)."""
+    import itertools
+
+    gs, P = problem.expert_group_size, problem.num_group_positions
+    s2c = problem.slot2class.reshape(P, gs)
+    maps = []
+    for perm in itertools.permutations(range(P)):
+        e2c = np.concatenate([s2c[b] for b in perm])  # experts of group g sit at position perm[g]
+        if (problem.class_loads(e2c) <= cap).all():
+            maps.append(e2c)
+    return maps
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_a_free_layer_is_never_worse_on_its_fit_tokens_than_every_group_preserving_map(seed):
+    """Free mode on a model with expert groups, group positions aligned with the classes: the group
+    search runs as one more start, so the local search's map is no worse on the fit part than the
+    best group-preserving map within the same caps (brute force)."""
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=16, top_k=4, ep=8, dp=8, pp=1, num_domains=2, trays_per_domain=2,
+                           gpus_per_tray=2, tokens=64, moe_layers=1, num_groups=4, groups_per_token=2)
+    r2g = default_rank2gpu(inst)
+    free = build_layer_problem(inst, r2g, 0, group_preserving=False)
+    gp = build_layer_problem(inst, r2g, 0, group_preserving=True)
+    assert not free.trivial
+    out = solve_layer(free, LayerBudget(1.0, 0, time.monotonic() + 60), model_groups=4)
+    assert out.details["group_start"]["status"] in ("OPTIMAL", "FEASIBLE")
+    cap = free.load_cap(out.details["load_tolerance"])
+    best_gp = min(net_crossings(free.nets_fit, m, free.class_sig, "per_domain") for m in _group_preserving_maps(gp, cap))
+    assert out.details["candidates"]["local_search"]["fit"] <= best_gp
+
+
+def test_the_local_search_keeps_a_start_that_its_sampled_polish_made_worse_on_all_nets(monkeypatch):
+    """The swap search sees a sample of the nets; its result is compared with the start itself on
+    the exact fit nets, so a polish that fits the sample but loses on all nets is not kept."""
+    import solvers.experts.layer as layer_module
+
+    rng = np.random.default_rng(5)
+    inst = random_instance(rng, num_experts=16, top_k=4, ep=8, dp=8, pp=1, num_domains=2, trays_per_domain=2,
+                           gpus_per_tray=2, tokens=64, moe_layers=1, num_groups=1)
+    problem = build_layer_problem(inst, default_rank2gpu(inst), 0, group_preserving=False)
+    worst = {}
+
+    class WorseningSwap:  # a "polish" that always returns the map worst on the exact fit nets
+        def __init__(self, problem, nets):
+            self.problem = problem
+
+        def run(self, m, cap, should_stop=None):
+            p = self.problem
+            if "map" not in worst:
+                perms = [np.random.default_rng(i).permutation(p.default_expert2class) for i in range(20)]
+                worst["map"] = max(perms, key=lambda c: net_crossings(p.nets_fit, c, p.class_sig, "per_domain"))
+            return worst["map"]
+
+    monkeypatch.setattr(layer_module, "SwapSearch", WorseningSwap)
+    search = layer_module._LayerSearch(problem, LayerBudget(0.0, 0, time.monotonic() + 60), problem.load_cap(10.0),
+                                       layer_module.StopCheck(time.monotonic() + 60), None)
+    start = problem.default_expert2class
+    name, m = layer_module._best_polished(search, [("default", start)])
+    fit = problem.nets_fit
+    assert net_crossings(fit, worst["map"], problem.class_sig, "per_domain") > \
+        net_crossings(fit, start, problem.class_sig, "per_domain")  # the polish really is worse here
+    assert name == "default" and np.array_equal(m, start)

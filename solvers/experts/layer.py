@@ -5,7 +5,10 @@ Step 1, experts -> classes (the cross-domain part), on the *fit* tokens:
     b. the swap search (:class:`solvers.experts.swap.SwapSearch`) from the greedy, the default map,
        the map the rank layout was scored with, in free mode a start that keeps the model's
        expert groups whole, and the multilevel co-activation start
-       (:func:`solvers.experts.coarsen.coarsen_start`);
+       (:func:`solvers.experts.coarsen.coarsen_start`); in free mode with enumerable group
+       positions also the group search's map from the group-keeping start (so a free map is never
+       worse on the fit part than the group-preserving search's); the best on the exact fit nets
+       of the polished maps and the starts themselves;
     c. the layer's search: group-preserving mode, :func:`solvers.experts.groups.group_search`;
        free mode, the CP-SAT model (:mod:`solvers.experts.cpsat_model`) when its deterministic budget
        fits the model's size, else a seeded iterated local search and then, with a budget of at
@@ -47,8 +50,8 @@ from solvers.experts.groups import group_search, num_group_assignments
 from solvers.experts.lns import LNS_MIN_DET, lns_search
 from solvers.experts.problem import LayerProblem, NetSet, is_structurally_valid, linear_costs, net_crossings, sample_nets
 from solvers.experts.swap import SwapSearch, iterated_local_search
-from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CPSAT_DET_PER_LINK, DET_PER_WALL_S, MAX_GROUP_ASSIGNMENTS, \
-    USE_KAHYPAR_START
+from solvers.experts.tuning import CLASS_LOAD_TOLERANCE, CPSAT_DET_PER_LINK, DET_PER_WALL_S, GROUP_START_SHARE, \
+    MAX_GROUP_ASSIGNMENTS, USE_KAHYPAR_START
 from solvers.experts.windows import part_windows, robust_search, robust_value
 
 __all__ = ["LayerOutcome", "solve_layer"]
@@ -262,15 +265,42 @@ def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, c
     return starts
 
 
+def _group_search_start(search: _LayerSearch, starts: list[tuple[str, np.ndarray]], model_groups: int,
+                        det_total: float, details: dict) -> float:
+    """Free mode: the group search (the group-preserving mode's search) on the fit part from the
+    group-structured start, within the free mode's caps, appended to ``starts`` as ``group_search``.
+    Every group-preserving map is a free map, so with it among the starts a free layer's map is never
+    worse on the fit part than what the group-preserving search finds.  Runs only where that start
+    exists and the layer's group assignments can be enumerated; it takes ``GROUP_START_SHARE`` of
+    the deterministic budget.  Returns the budget left for the layer's own search."""
+    gstart = dict(starts).get("group_structured")
+    p = search.problem
+    if gstart is None or p.group_preserving:
+        return det_total
+    gp = dataclasses.replace(p, group_preserving=True, expert_group_size=p.num_experts // model_groups)
+    if num_group_assignments(gp) > MAX_GROUP_ASSIGNMENTS:
+        return det_total
+    det = det_total * GROUP_START_SHARE
+    gsearch = _LayerSearch(gp, search.budget, search.cap, search.stop, search.options)
+    m, _, _ = gsearch(p.nets_fit, gstart, det, "group_start")
+    details["group_start"] = gsearch.runs.get("group_start", {})
+    if m is not None:
+        starts.append(("group_search", m))
+    return det_total - det
+
+
 def _best_polished(search: _LayerSearch, starts: list[tuple[str, np.ndarray]]) -> tuple[str, np.ndarray]:
-    """The swap search from every start on the fit part; the best (ties: the earlier start)."""
+    """The swap search from every start on the fit part; the best on the exact fit nets of the
+    polished maps and the starts themselves (the swap search may see a sample of the nets, so a
+    polished map can be worse than its start on all of them); ties: the earlier start, polished first."""
     fit = search.problem.nets_fit
     ls_fit = SwapSearch(search.problem, search.reduced(fit))
     # Anytime (issue 16): once the stop fires, the remaining starts stay as they are (valid maps).
     polished = [(name, m if search.stop() else ls_fit.run(m, search.cap, should_stop=search.stop))
                 for name, m in starts]
-    names = [n for n, _ in polished]
-    return min(polished, key=lambda nm: (search.score(nm[1], fit), names.index(nm[0])))
+    pool = [nm for pair in zip(polished, starts) for nm in pair]
+    best = min(range(len(pool)), key=lambda i: (search.score(pool[i][1], fit), i))
+    return pool[best]
 
 
 def _trivial_outcome(problem: LayerProblem, details: dict, t_start: float) -> LayerOutcome:
@@ -372,12 +402,13 @@ def solve_layer(
     # group -> position-type assignment with swap restarts of its own).
     starts = _starts(problem, cap, greedy, cost_fit, model_groups, hint_phy2log, budget.seed,
                      coactivation=not search.use_groups)
+    det_total = _group_search_start(search, starts, model_groups, budget.deterministic_time, details)
     # Step 1b: local search from every start; keep the best on the fit part.
     ls_name, ls_map = _best_polished(search, starts)
     details["local_search_start"] = ls_name
     candidates: dict[str, np.ndarray] = {"default": default, "local_search": ls_map}
     # Step 1c: the search on the fit part (all of the budget when there is no validation part).
-    det_fit = budget.deterministic_time * (0.5 if has_val else 1.0)
+    det_fit = det_total * (0.5 if has_val else 1.0)
     m_fit, bound_fit, proved_fit = search.search_part("fit", ls_map, det_fit, "fit")
     if m_fit is not None and search.objective(m_fit, "fit") < search.objective(ls_map, "fit"):
         candidates["search"] = m_fit
@@ -387,7 +418,7 @@ def solve_layer(
     # Step 3: choose on the validation part; refit on all tokens.
     if has_val:
         final_name, final, bound, proved = _choose(search, candidates, table, default_ok,
-                                                   budget.deterministic_time - det_fit, details)
+                                                   det_total - det_fit, details)
     else:
         order = list(candidates)
         winner = min(order, key=lambda n: (search.objective(candidates[n], "all"), order.index(n)))

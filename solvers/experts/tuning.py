@@ -25,6 +25,7 @@ __all__ = [
     "ANYTIME_GRACE_S",
     "STOP_GRACE_S",
     "USE_KAHYPAR_START",
+    "GROUP_START_SHARE",
 ]
 
 #: A class's load may exceed its proportional share of each EP group's (token, expert) pairs by this
@@ -90,3 +91,7 @@ STOP_GRACE_S = 1.0
 #: the multilevel coarsening start (no extra) matched it on the real routing instances, and with it
 #: off a placement does not depend on whether the extra is installed (``docs/experts.md``).
 USE_KAHYPAR_START = False
+#: Free mode on a model with expert groups: share of a layer's deterministic budget for the group
+#: search (group-preserving mode's search, within the free caps) whose map is one more start, so a
+#: free map is never worse on the fit tokens than the group-preserving search's.
+GROUP_START_SHARE = 0.2
