@@ -5,8 +5,12 @@ re-placed on a *new* instance three ways, all on the previous rank layout, all s
 evaluator on the new instance's held-out window:
 
 - ``previous``: kept as it is (0 bytes moved);
-- ``unconstrained``: ``placement.solve(new, layout="fixed")``, what re-placing does today;
+- ``unconstrained``: ``placement.solve(new, layout="fixed")``, a re-placement that ignores moves;
 - ``budget``: ``placement.solve(new, previous=..., max_moved_bytes=SHARE of all expert state)``.
+
+Every solve of a scenario (the previous one included) uses the same expert-map mode:
+``--group-preserving auto`` (default) is the re-placement's default, group-preserving under
+group-limited routing; ``on`` / ``off`` force it.
 
 The gain is the previous placement's held-out predicted step time minus the re-placement's (with a
 ``performance`` block), else its held-out cross-domain bytes minus the re-placement's; ``kept`` is
@@ -16,7 +20,7 @@ the budget's gain over the unconstrained gain.  Moves are counted by GPU
 Usage::
 
     python benchmarks/moves.py [--scenarios real_c10 real_c50 dsv3_256_default dsv3_256_drift]
-                               [--share 0.1] [--time-limit S] [--json OUT]
+                               [--share 0.1] [--time-limit S] [--group-preserving auto|on|off] [--json OUT]
 
 Instances without a ``performance`` block (the real routing ones) use DeepSeek-V3's expert size
 (``3 * 7168 * 2048`` parameters).  Wall times depend on the machine's load and are not printed.
@@ -42,6 +46,7 @@ import placement  # noqa: E402
 from placement.formats import atomic_write_text  # noqa: E402
 from placement.model import Instance, Placement, Routing  # noqa: E402
 from placement.moves import count_moves, replica_state_bytes, total_state_bytes  # noqa: E402
+from solvers.base import group_preserving_default  # noqa: E402
 from solvers.default import default_placement  # noqa: E402
 
 DSV3_EXPERT_PARAMS = 3 * 7168 * 2048
@@ -66,31 +71,46 @@ def _next_window(inst: Instance) -> Instance:
     return dataclasses.replace(inst, name=f"{inst.name}_next", routing=Routing(w[1], w[2][:, :, :t_h]))
 
 
-def scenario(name: str, time_limit_s: float, workers: int | None) -> tuple[Instance, Placement, int | None]:
-    """``(new instance, previous placement, expert params or None)``."""
+def scenario(name: str, time_limit_s: float, workers: int | None,
+             group_preserving: bool | None = None) -> tuple[Instance, Placement, int | None]:
+    """``(new instance, previous placement, expert params or None)``; the previous solve in the
+    re-placement's expert-map mode (``None``: the re-placement's default, :func:`_mode`)."""
     if name.startswith("real_"):
         old = _load({"real_c10": "real_ep64_c10", "real_c50": "real_ep64_c50"}[name])
-        prev = placement.solve(old, time_limit_s=time_limit_s, num_workers=workers, layout="fixed").placement
+        prev = placement.solve(old, time_limit_s=time_limit_s, num_workers=workers, layout="fixed",
+                               group_preserving=_mode(old, group_preserving)).placement
         return _load("real_ep64"), prev, DSV3_EXPERT_PARAMS
     base = _load("dsv3_256")
     if name == "dsv3_256_default":
         return base, default_placement(base), None
-    prev = placement.solve(base, time_limit_s=time_limit_s, num_workers=workers, layout="fixed").placement
+    prev = placement.solve(base, time_limit_s=time_limit_s, num_workers=workers, layout="fixed",
+                           group_preserving=_mode(base, group_preserving)).placement
     return _next_window(base), prev, None
 
 
-def run(name: str, share: float, time_limit_s: float, workers: int | None) -> dict:
-    new, prev, params = scenario(name, time_limit_s, workers)
+def _mode(instance: Instance, group_preserving: bool | None) -> bool:
+    """The expert-map mode of every solve of a scenario: the given one, else what a re-placement takes
+    by default (group-preserving under group-limited routing), so that the previous, the
+    unconstrained and the budgeted solves search the same maps."""
+    if group_preserving is not None:
+        return group_preserving
+    return group_preserving_default(instance, "optimize")
+
+
+def run(name: str, share: float, time_limit_s: float, workers: int | None,
+        group_preserving: bool | None = None) -> dict:
+    new, prev, params = scenario(name, time_limit_s, workers, group_preserving)
+    gp = _mode(new, group_preserving)
     bpr = replica_state_bytes(new, params=params)
     budget = share * total_state_bytes(new, bpr)
     key = "heldout_predicted_step_time_s" if new.performance is not None else "heldout_cross_domain_bytes_per_step"
     rows = {"previous": (prev, placement.evaluate_placement(new, prev))}
-    free = placement.solve(new, time_limit_s=time_limit_s, num_workers=workers, layout="fixed")
+    free = placement.solve(new, time_limit_s=time_limit_s, num_workers=workers, layout="fixed", group_preserving=gp)
     rows["unconstrained"] = (free.placement, free.metrics)
     kept = placement.solve(new, time_limit_s=time_limit_s, num_workers=workers, previous=prev,
-                           max_moved_bytes=budget, expert_params=params)
+                           max_moved_bytes=budget, expert_params=params, group_preserving=gp)
     rows["budget"] = (kept.placement, kept.metrics)
-    out: dict = {"scenario": name, "instance": new.name, "share": share, "budget_bytes": budget,
+    out: dict = {"scenario": name, "instance": new.name, "share": share, "budget_bytes": budget, "group_preserving": gp,
                  "bytes_per_replica": bpr, "gain_key": key, "rows": {}}
     base = rows["previous"][1][key]
     for label, (plc, m) in rows.items():
@@ -116,7 +136,8 @@ def _fmt(key: str, v: float) -> str:
 
 def markdown(res: dict) -> str:
     key = res["gain_key"]
-    lines = [f"### {res['scenario']} ({res['instance']}; budget {100 * res['share']:g}% of expert state, "
+    mode = "group-preserving" if res["group_preserving"] else "free maps"
+    lines = [f"### {res['scenario']} ({res['instance']}, {mode}; budget {100 * res['share']:g}% of expert state, "
              f"{res['budget_bytes'] / 1e9:,.1f} GB)", "",
              f"| re-placement | {key} | gain | cross-domain (h-o) | load max/mean (h-o) | replicas moved | moved | cross-rack |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -138,11 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--share", type=float, default=0.1, help="budget as a share of all expert replicas' state")
     ap.add_argument("--time-limit", type=float, default=100.0)
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--group-preserving", choices=("auto", "on", "off"), default="auto",
+                    help="expert-map mode of every solve; auto: the re-placement's default")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    gp = {"auto": None, "on": True, "off": False}[args.group_preserving]
     results = []
     for name in args.scenarios:
-        res = run(name, args.share, args.time_limit, args.workers)
+        res = run(name, args.share, args.time_limit, args.workers, gp)
         results.append(res)
         print(markdown(res), flush=True)
         print()

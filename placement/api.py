@@ -276,7 +276,8 @@ def solve(
     group_preserving : only group-preserving expert permutations; ``None``:
         :func:`solvers.base.group_preserving_default` (on under group-limited routing with
         ``layout="optimize"``, the checkpoint permutation's rule; off with ``layout="fixed"``, whose
-        serving consumers map logical to physical experts themselves).
+        serving consumers map logical to physical experts themselves; with ``previous``, the training
+        rule although the rank layout is kept).
     objective : ``step_time`` (default: predicted step time, bytes break ties; ``total`` on an
         instance without a ``performance`` block), ``total`` cross-domain bytes or the
         ``bottleneck`` (slowest stage's busiest NIC).
@@ -340,6 +341,8 @@ def solve(
         move_request = _move_request(instance, solver, previous, max_moved_bytes, move_cost, expert_params,
                                      sharded_optimizer, group_preserving)
         layout = "fixed"  # the previous rank layout is kept (solvers/cpsat.py choose_rank2gpu)
+        if group_preserving is None:  # a running training job's rule, not a fixed layout's: the same as the check
+            group_preserving = _replacement_group_preserving(instance)
     reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(
         time_limit_s=time_limit_s,
@@ -386,6 +389,18 @@ def solve(
     )
 
 
+def _replacement_group_preserving(instance: Instance) -> bool:
+    """The expert-map mode of a re-placement when the caller says nothing: the rule of a training job
+    (:func:`solvers.base.group_preserving_default` with ``layout="optimize"``: group-preserving under
+    group-limited routing), although the previous rank layout is kept: a running job re-placed in
+    place applies the new maps as it applied the old ones (a checkpoint permutation keeps groups
+    whole).  Consumers that map experts at dispatch time (SGLang, vLLM, ``placement.runtime``) pass
+    ``group_preserving=False``."""
+    from solvers.base import group_preserving_default
+
+    return group_preserving_default(instance, "optimize")
+
+
 def _move_request(instance: Instance, solver: str, previous: Placement | None, max_moved_bytes: float | None,
                   move_cost: float | None, expert_params: int | None, sharded_optimizer: bool,
                   group_preserving: bool | None) -> Any:
@@ -404,7 +419,7 @@ def _move_request(instance: Instance, solver: str, previous: Placement | None, m
         raise InvalidInputError(f"sharded_optimizer: expected True or False, found {sharded_optimizer!r}")
     request = MoveRequest(previous, max_moved_bytes, move_cost, expert_params, bool(sharded_optimizer))
     replica_state_bytes(instance, params=expert_params)  # the expert size must be known
-    gp = instance.model.group_limited if group_preserving is None else group_preserving
+    gp = _replacement_group_preserving(instance) if group_preserving is None else group_preserving
     if gp and instance.model.num_groups > 1 and not keeps_expert_groups(previous.phy2log,
                                                                        instance.model.experts_per_group):
         raise InvalidInputError("previous: phy2log: the previous expert maps break expert groups and this solve "

@@ -503,7 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "with --layout optimize (training: the checkpoint permutation that export --format "
                          "megatron|torchtitan|maxtext writes must keep groups whole), off with --layout fixed "
                          "(serving: SGLang and vLLM map logical to physical experts themselves) or without "
-                         "group-limited routing")
+                         "group-limited routing; with --previous (re-placing a running training job) as with "
+                         "--layout optimize")
     so.add_argument("--free", dest="group_preserving", action="store_const", const="off",
                     help="same as --group-preserving off: any expert map, for consumers that apply the map at dispatch "
                          "time (placement.runtime hooks for Megatron-Core and TorchTitan, SGLang, vLLM)")
