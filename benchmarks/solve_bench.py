@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layouts", default="optimize", help="comma-separated: optimize, fixed")
-    ap.add_argument("--json", default="benchmarks/solve_bench.json", help="write the results here")
+    ap.add_argument("--json", default=None, help="also write the results here (JSON)")
     ap.add_argument("--calibrate", action="store_true", help="measure CP-SAT deterministic time per wall second")
     args = ap.parse_args(argv)
     if args.calibrate:
