@@ -197,3 +197,32 @@ def test_solve_runs_on_a_real_instance(tmp_path):
     inst = read_instance(INSTANCES / "real_ep64.json")
     assert doc["instance"] == {"name": "real_ep64", "sha256": inst.sha256}
     assert main(["verify", str(INSTANCES / "real_ep64.json"), str(out)]) == 0
+
+
+def test_the_trained_model_params_bring_the_generator_closer_to_the_real_routing_on_every_statistic():
+    """``TRAINED_MODEL_PARAMS`` against the defaults, each as a generator twin of ``real_ep64``
+    (same shape and sample size): every statistic of the calibration table is nearer the real
+    model's (its 10 % checkpoint for drift), and the defaults still give the documented values."""
+    from placement.generator import TRAINED_MODEL_PARAMS
+    from placement.realroute.cli import _twin
+
+    final, early = read_instance(INSTANCES / "real_ep64.json"), read_instance(INSTANCES / "real_ep64_c10.json")
+    E = final.model.num_experts
+
+    def summary(now, before):
+        """The table's statistics of ``now``, and its drift from ``before``."""
+        med = lambda x: float(np.median(x))  # noqa: E731
+        return {
+            "load": med(stats.load_max_mean(now, E)),
+            "ratio": med(stats.partner_share(now, E) / stats.partner_share(now, E, null=True)),
+            "source_tv": med(stats.source_tv(now, E)),
+            "drift_tv": med(stats.load_tv(before, now, E)),
+            "partners_kept": med(stats.partner_overlap(before, now, E)),
+        }
+
+    real = summary(final.routing.topk, early.routing.topk)
+    default, fitted = [summary(w0, w1) for w0, w1 in (_twin(final), _twin(final, TRAINED_MODEL_PARAMS))]
+    assert default["load"] == pytest.approx(1.858, abs=5e-4) and default["ratio"] == pytest.approx(1.467, abs=5e-4)
+    for k in real:
+        assert abs(fitted[k] - real[k]) < abs(default[k] - real[k]), (k, real[k], default[k], fitted[k])
+    assert abs(fitted["load"] / real["load"] - 1) < 0.10 and abs(fitted["ratio"] / real["ratio"] - 1) < 0.10

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 __all__ = ["main", "stats_rows", "twin_instance"]
 
 
-def _twin(inst: Instance) -> tuple[np.ndarray, np.ndarray]:
-    """The generator's routing for the same shape and sample size (its defaults, seed 0)."""
+def _twin(inst: Instance, params: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The generator's routing for the same shape and sample size (seed 0; its defaults, or ``params``
+    such as :data:`placement.generator.TRAINED_MODEL_PARAMS`)."""
     from placement.generator import generate_routing
 
     m, r = inst.model, inst.routing
@@ -34,26 +35,30 @@ def _twin(inst: Instance) -> tuple[np.ndarray, np.ndarray]:
         top_k=m.top_k,
         num_groups=m.num_groups,
         groups_per_token=m.groups_per_token,
+        **(params or {}),
     )
     return w[0][:, :, : r.topk.shape[2]], w[1][:, :, : r.heldout_topk.shape[2]]
 
 
-def twin_instance(inst: Instance) -> Instance:
+def twin_instance(inst: Instance, params: dict | None = None) -> Instance:
     """``inst`` with the generator's routing of the same shape (:func:`_twin`), named ``{name}_generator``.
 
-    What ``placement stats`` measures for the generator column of the calibration tables.
+    What ``placement stats`` measures for the generator columns of the calibration tables (``params``:
+    keyword arguments of ``generate_routing``, such as ``TRAINED_MODEL_PARAMS``).
     """
     import dataclasses
 
     from placement.model import Routing
 
-    fit, held = _twin(inst)
+    fit, held = _twin(inst, params)
     return dataclasses.replace(inst, name=f"{inst.name}_generator", routing=Routing(fit, held))
 
 
-def stats_rows(outdir: str | Path) -> list[tuple[str, str, str]]:
-    """``(statistic, real, generator twin)`` rows for the instances written in ``outdir``."""
+def stats_rows(outdir: str | Path) -> list[tuple[str, str, str, str]]:
+    """``(statistic, real, generator twin with its defaults, twin with TRAINED_MODEL_PARAMS)`` rows for
+    the instances written in ``outdir`` (empty strings where a column has no such value)."""
     from placement.formats import read_instance
+    from placement.generator import TRAINED_MODEL_PARAMS
 
     outdir = Path(outdir)
     final = read_instance(outdir / "real_ep64.json")
@@ -61,60 +66,37 @@ def stats_rows(outdir: str | Path) -> list[tuple[str, str, str]]:
     frag = read_instance(outdir / "real_pp_frag.json")
     E = final.model.num_experts
     assert final.routing.heldout_topk is not None
-    twin0, twin1 = _twin(final)
+    twins = [_twin(final), _twin(final, TRAINED_MODEL_PARAMS)]  # (window 0, window 1) each
 
     def med(x: np.ndarray) -> str:
         return f"{np.median(x):.3f} [{x.min():.3f}-{x.max():.3f}]"
 
-    rows = []
-    for label, real, synth in [
-        ("real_ep64 sampled", final.routing.topk, twin0),
-        ("real_pp_frag sampled", frag.routing.topk, None),
-    ]:
-        s_real = stats.partner_share(real, E)
-        n_real = stats.partner_share(real, E, null=True)
-        rows.append((f"{label}: expert load max/mean", med(stats.load_max_mean(real, E)), med(stats.load_max_mean(synth, E)) if synth is not None else ""))
-        rows.append((f"{label}: top-8 partner share", med(s_real), med(stats.partner_share(synth, E)) if synth is not None else ""))
-        rows.append((f"{label}: same, independent routing", med(n_real), med(stats.partner_share(synth, E, null=True)) if synth is not None else ""))
-        rows.append(
-            (
-                f"{label}: partner share / independent",
-                med(s_real / n_real),
-                med(stats.partner_share(synth, E) / stats.partner_share(synth, E, null=True)) if synth is not None else "",
-            )
-        )
-        rows.append((f"{label}: source-vs-source TV", med(stats.source_tv(real, E)), med(stats.source_tv(synth, E)) if synth is not None else ""))
-        rows.append(
-            (f"{label}: same, tokens shuffled", med(stats.source_tv(real, E, null=True)), med(stats.source_tv(synth, E, null=True)) if synth is not None else "")
-        )
-    rows.append(
-        (
-            "load TV, 10% vs final checkpoint (gen.: window 0 vs 1)",
-            med(stats.load_tv(early.routing.topk, final.routing.topk, E)),
-            med(stats.load_tv(twin0, twin1, E)),
-        )
-    )
-    rows.append(
-        (
-            "load TV, final window 0 vs window 1 (sampling noise)",
-            med(stats.load_tv(final.routing.topk, final.routing.heldout_topk, E)),
-            "",
-        )
-    )
-    rows.append(
-        (
-            "top-8 partners kept, 10% vs final (gen.: window 0 vs 1)",
-            med(stats.partner_overlap(early.routing.topk, final.routing.topk, E)),
-            med(stats.partner_overlap(twin0, twin1, E)),
-        )
-    )
-    rows.append(
-        (
-            "top-8 partners kept, final window 0 vs 1",
-            med(stats.partner_overlap(final.routing.topk, final.routing.heldout_topk, E)),
-            "",
-        )
-    )
+    def ratio(t: np.ndarray) -> np.ndarray:
+        return stats.partner_share(t, E) / stats.partner_share(t, E, null=True)
+
+    per_window = [
+        ("expert load max/mean", lambda t: stats.load_max_mean(t, E)),
+        ("top-8 partner share", lambda t: stats.partner_share(t, E)),
+        ("same, independent routing", lambda t: stats.partner_share(t, E, null=True)),
+        ("partner share / independent", ratio),
+        ("source-vs-source TV", lambda t: stats.source_tv(t, E)),
+        ("same, tokens shuffled", lambda t: stats.source_tv(t, E, null=True)),
+    ]
+    rows: list[tuple[str, str, str, str]] = []
+    for label, real, synth in [("real_ep64 sampled", final.routing.topk, True),
+                               ("real_pp_frag sampled", frag.routing.topk, False)]:
+        for name, f in per_window:
+            gen = [med(f(w0)) if synth else "" for w0, _ in twins]
+            rows.append((f"{label}: {name}", med(f(real)), gen[0], gen[1]))
+    drift = [
+        ("load TV, 10% vs final checkpoint (gen.: window 0 vs 1)", lambda a, b: stats.load_tv(a, b, E)),
+        ("top-8 partners kept, 10% vs final (gen.: window 0 vs 1)", lambda a, b: stats.partner_overlap(a, b, E)),
+    ]
+    for (name, pair), noise in zip(drift, ("load TV, final window 0 vs window 1 (sampling noise)",
+                                           "top-8 partners kept, final window 0 vs 1")):
+        gen = [med(pair(w0, w1)) for w0, w1 in twins]
+        rows.append((name, med(pair(early.routing.topk, final.routing.topk)), gen[0], gen[1]))
+        rows.append((noise, med(pair(final.routing.topk, final.routing.heldout_topk)), "", ""))
     return rows
 
 
@@ -154,9 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"python -m placement.realroute: {exc}")
             return exc.exit_code
         w = max(len(r[0]) for r in rows)
-        print(f"{'statistic (median over MoE layers [min-max])':<{w}}  {'real':<24}  generator (same shape)")
-        for name, real, synth in rows:
-            print(f"{name:<{w}}  {real:<24}  {synth}")
+        print(f"{'statistic (median over MoE layers [min-max])':<{w}}  {'real':<24}  {'generator, defaults':<24}  "
+              "generator, TRAINED_MODEL_PARAMS (same shape)")
+        for name, real, synth, fitted in rows:
+            print(f"{name:<{w}}  {real:<24}  {synth:<24}  {fitted}")
         return 0
     try:
         import torch  # noqa: F401
