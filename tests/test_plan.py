@@ -382,6 +382,8 @@ def test_cli_json_has_stable_keys(files, capsys):
     ("job", lambda d: d["model"].update(num_groups=3), "model.num_groups"),
     ("job", lambda d: d.update(routing={}), "routing"),
     ("job", lambda d: d.update(routing={"generator": {"seed": 1, "num_sources": 2}}), "routing.generator.tokens_per_source"),
+    ("job", lambda d: d.update(routing={"generator": {"seed": 1, "num_sources": 2, "tokens_per_source": 8,
+                                                      "topic_strength": -1}}), "routing.generator.topic_strength"),
     ("job", lambda d: d["training"].update(recompute="most") if "training" in d else d.update(training={"recompute": "most"}), "training.recompute"),
     ("cluster", lambda d: d.pop("gpu_hbm_gb"), "gpu_hbm_gb"),
     ("cluster", lambda d: d.update(unavailable_trays=[[9, 0]]), "unavailable_trays[0]"),
@@ -496,3 +498,15 @@ def test_plan_from_an_in_memory_instance(tiny, tiny_plans):
     want = tiny_plans["w1"]
     assert (r.recommendation.key, r.recommendation.variant) == (want.recommendation.key, want.recommendation.variant)
     assert r.recommendation.figures == want.recommendation.figures
+
+
+def test_a_job_may_ask_for_the_generator_fitted_to_trained_routing(tmp_path):
+    """``routing.generator`` takes every ``generate_routing`` argument, ``TRAINED_MODEL_PARAMS``'
+    ``topic_strength`` included, and the plan's routing is that generator's output."""
+    from placement.generator import TRAINED_MODEL_PARAMS, generate_routing
+
+    gen = {"seed": 3, "num_sources": 4, "tokens_per_source": 8, **TRAINED_MODEL_PARAMS}
+    job = read_job(_write(tmp_path, "job.json", _job_doc(routing={"generator": gen})))
+    assert job.routing.kind == "generator" and job.routing.params["topic_strength"] == TRAINED_MODEL_PARAMS["topic_strength"]
+    w = generate_routing(**job.routing.params)
+    assert not np.array_equal(w, generate_routing(**{**job.routing.params, "topic_strength": 2.5}))

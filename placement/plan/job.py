@@ -54,7 +54,9 @@ GENERATOR_FUNCTION = "placement.generator.generate_routing"
 _GENERATOR_KEYS = {
     "seed", "num_layers", "num_sources", "tokens_per_source", "num_windows", "num_experts", "top_k",
     "num_groups", "groups_per_token", "num_data_domains", "source_mix_concentration", "skew", "drift",
+    "topic_strength",
 }
+_GENERATOR_REALS = ("source_mix_concentration", "skew", "drift", "topic_strength")
 _GENERATOR_META = {"function", "window_fit", "window_heldout", "fit_tokens_per_source", "heldout_tokens_per_source"}
 
 
@@ -234,11 +236,11 @@ def _routing_source(where: Path, doc: dict, model: dict) -> RoutingSource:
         if key not in g:
             raise _fail(where, f"routing.generator.{key}", "missing required key")
     for key in _GENERATOR_KEYS | (_GENERATOR_META - {"function"}):
-        if key in g and key != "source_mix_concentration" and key not in ("skew", "drift"):
+        if key in g and key not in _GENERATOR_REALS:
             v = g[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise _fail(where, f"routing.generator.{key}", f"expected a non-negative integer, found {v!r}")
-    for key in ("source_mix_concentration", "skew", "drift"):
+    for key in _GENERATOR_REALS:
         if key in g and (isinstance(g[key], bool) or not isinstance(g[key], (int, float)) or g[key] < 0):
             raise _fail(where, f"routing.generator.{key}", f"expected a non-negative number, found {g[key]!r}")
     for key, want in (("num_layers", L), ("num_experts", model["num_experts"]), ("top_k", model["top_k"]),
