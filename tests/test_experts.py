@@ -366,6 +366,35 @@ def test_a_pool_whose_workers_cannot_start_ends_by_the_deadline(initializer, cap
     assert check(inst, Placement(r2g, plan.phy2log)) == []
 
 
+def test_an_os_error_while_the_pool_starts_a_worker_is_a_broken_pool(monkeypatch, caplog):
+    """``submit`` failing with ``OSError: handle is closed`` (the executor closed its queues after a
+    worker died, before it marked itself broken) takes the broken-pool path: the remaining layers
+    are solved in-process and the placement is valid, instead of the error reaching the caller."""
+    import solvers.experts.pool as pool_module
+    from placement.formats import read_instance
+    from tests.conftest import INSTANCES
+
+    class ClosingPool(pool_module.ProcessPoolExecutor):
+        calls = 0
+
+        def submit(self, *args, **kwargs):
+            ClosingPool.calls += 1
+            if ClosingPool.calls == 2:
+                raise OSError("handle is closed")
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "ProcessPoolExecutor", ClosingPool)
+    inst = read_instance(INSTANCES / "dsv3_256.json").for_solver()
+    r2g = default_rank2gpu(inst)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="solvers.experts.pool"):
+        plan = place_experts(inst, r2g, SolveOptions(time_limit_s=20, seed=1, num_workers=2), deadline=t0 + 20,
+                             deterministic_time=2.0, use_pool=True)
+    assert ClosingPool.calls >= 2
+    assert "process pool broke" in caplog.text and "handle is closed" in caplog.text
+    assert check(inst, Placement(r2g, plan.phy2log)) == []
+
+
 def test_a_stop_request_reaches_the_pool_workers_and_their_layers_answer(caplog):
     """A stop request while pool workers are inside their layers: the request is relayed to them and
     the layers in flight return their best maps so far (no fallback), the rest keep their fallback

@@ -211,6 +211,18 @@ def _one_blas_thread_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _submit(pool: ProcessPoolExecutor, task: LayerTask) -> Any:
+    """``pool.submit`` of one layer.  A worker that dies while ``submit`` starts another one can leave
+    the executor with its queues closed before it is marked broken; starting the new process then
+    fails with ``OSError: handle is closed`` (CPython 3.11; python/cpython#80462 and #83279 are the
+    same family).  That is a broken pool: raised as :class:`BrokenProcessPool`, so the caller's
+    in-process fallback takes over, as for every other way a worker dies."""
+    try:
+        return pool.submit(_pool_task, task)
+    except OSError as exc:
+        raise BrokenProcessPool(f"a worker died while the pool started another ({exc})") from exc
+
+
 def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: LayerWorker,
               finished: Callable[[LayerOutcome], None], outcomes: dict[int, LayerOutcome],
               options: SolveOptions, initializer: Callable[..., None] | None = None) -> None:
@@ -236,7 +248,7 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
     try:
         with _one_blas_thread_env():  # the workers start at the first submit and read it then
             for task in tasks:  # submit itself raises BrokenProcessPool once a worker has died
-                futures[pool.submit(_pool_task, task)] = task.layer
+                futures[_submit(pool, task)] = task.layer
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
