@@ -137,19 +137,10 @@ def test_plan_is_the_same_document_with_ray_and_local_executors(ray, executor, t
     cluster, a few candidates; ``make_executor("ray")`` joins the module's Ray instance)."""
     from placement.executor import make_executor
     from placement.plan import CandidateSpace, plan, plan_document, read_cluster, read_job
+    from tests.test_plan import _cluster_doc, _job_doc, _write
 
-    tiny = json.loads((INSTANCES / "tiny.json").read_text())
-    job_doc = {
-        "schema_version": 1, "kind": "job", "name": "tiny_job", "model": tiny["model"],
-        "performance": {k: v for k, v in tiny["performance"].items() if k != "vpp"},
-        "batch": {"global_batch": 32, "seq_len": 512, "micro_batch": [1]},
-        "routing": {"instance": str(INSTANCES / "tiny.json")},
-    }
-    cluster_doc = {"schema_version": 1, "kind": "cluster", "name": "tiny_cluster", **tiny["cluster"],
-                   "gpu_hbm_gb": 1.0, "hbm_reserve_gb": 0.0}
-    (tmp_path / "job.json").write_text(json.dumps(job_doc))
-    (tmp_path / "cluster.json").write_text(json.dumps(cluster_doc))
-    job, cluster = read_job(tmp_path / "job.json"), read_cluster(tmp_path / "cluster.json")
+    job = read_job(_write(tmp_path, "job.json", _job_doc()))
+    cluster = read_cluster(_write(tmp_path, "cluster.json", _cluster_doc()))
     space = CandidateSpace(tp=(1,), cp=(1,), pp=(1, 2), vpp=(1,), ep=(4, 8), dp=(4, 8), micro_batch=(1,))
     documents = {}
     for name in ("local", "ray"):

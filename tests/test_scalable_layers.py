@@ -26,6 +26,7 @@ from solvers.experts.layer import solve_layer
 from solvers.experts.problem import NetSet, sample_nets
 from solvers.kernels import bytes_per_crossing
 from tests.conftest import random_instance
+from tests.test_experts import _all_class_maps, _group_preserving
 
 
 def _whole_positions_problem(seed: int):
@@ -170,21 +171,6 @@ def test_a_stop_mid_layer_returns_the_incumbent_not_the_fallback(gp):
         assert full.crossings <= cut.crossings < default_all
 
 
-def _group_preserving_maps(problem, cap):
-    """Every group-preserving expert -> class map within ``cap`` (brute force: each expert group's
-    slots are a group position's slots, for every bijection of groups onto positions)."""
-    import itertools
-
-    gs, P = problem.expert_group_size, problem.num_group_positions
-    s2c = problem.slot2class.reshape(P, gs)
-    maps = []
-    for perm in itertools.permutations(range(P)):
-        e2c = np.concatenate([s2c[b] for b in perm])  # experts of group g sit at position perm[g]
-        if (problem.class_loads(e2c) <= cap).all():
-            maps.append(e2c)
-    return maps
-
-
 @pytest.mark.parametrize("seed", [21, 22, 23])
 def test_a_free_layer_is_never_worse_on_its_fit_tokens_than_every_group_preserving_map(seed):
     """Free mode on a model with expert groups, group positions aligned with the classes: the group
@@ -200,7 +186,9 @@ def test_a_free_layer_is_never_worse_on_its_fit_tokens_than_every_group_preservi
     out = solve_layer(free, LayerBudget(1.0, 0, time.monotonic() + 60), model_groups=4)
     assert out.details["group_start"]["status"] in ("OPTIMAL", "FEASIBLE")
     cap = free.load_cap(out.details["load_tolerance"])
-    best_gp = min(net_crossings(free.nets_fit, m, free.class_sig, "per_domain") for m in _group_preserving_maps(gp, cap))
+    space = [m for m in _all_class_maps(free.class_capacity)
+             if (free.class_loads(m) <= cap).all() and _group_preserving(gp, m)]
+    best_gp = min(net_crossings(free.nets_fit, m, free.class_sig, "per_domain") for m in space)
     assert out.details["candidates"]["local_search"]["fit"] <= best_gp
 
 

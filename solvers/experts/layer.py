@@ -228,6 +228,12 @@ class _LayerSearch:
         return m, r.bound, r.status == "OPTIMAL"
 
 
+def _group_preserving_twin(problem: LayerProblem, model_groups: int) -> LayerProblem:
+    """A free layer's problem restricted to maps that keep the model's ``model_groups`` expert groups
+    whole (same classes, nets and caps)."""
+    return dataclasses.replace(problem, group_preserving=True, expert_group_size=problem.num_experts // model_groups)
+
+
 def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, cost_fit: np.ndarray,
             model_groups: int, hint_phy2log: np.ndarray | None, seed: int = 0,
             coactivation: bool = True) -> list[tuple[str, np.ndarray]]:
@@ -242,8 +248,7 @@ def _starts(problem: LayerProblem, cap: np.ndarray, greedy: np.ndarray | None, c
     if problem.within_caps(d, cap):
         starts.append(("default", d))
     if not problem.group_preserving and model_groups > 1 and E % model_groups == 0:
-        gp = dataclasses.replace(problem, group_preserving=True, expert_group_size=E // model_groups)
-        gstart = capped_greedy(gp, cost_fit, cap)
+        gstart = capped_greedy(_group_preserving_twin(problem, model_groups), cost_fit, cap)
         if gstart is not None:
             starts.append(("group_structured", gstart))
     # Starts that see co-activation (solvers.experts.coarsen): the multilevel coarsening, and Mt-KaHyPar's
@@ -277,7 +282,7 @@ def _group_search_start(search: _LayerSearch, starts: list[tuple[str, np.ndarray
     p = search.problem
     if gstart is None or p.group_preserving:
         return det_total
-    gp = dataclasses.replace(p, group_preserving=True, expert_group_size=p.num_experts // model_groups)
+    gp = _group_preserving_twin(p, model_groups)
     if num_group_assignments(gp) > MAX_GROUP_ASSIGNMENTS:
         return det_total
     det = det_total * GROUP_START_SHARE

@@ -268,9 +268,13 @@ class LayoutPlanner:
         feet = first_fit(self.blocks, self.free, unit)
         if feet is None or any(list(feet) == list(f) for f in seen if f):
             return None
-        a2ps = [self.scorer.slices(blk, shape_of(f)) for blk, f in zip(self.blocks, feet)]
-        self.add("first_fit, whole expert groups", assign_gpus(self.instance, self.blocks, feet, a2ps)[0], feet, a2ps)
+        self.add_footprints("first_fit, whole expert groups", feet)
         return feet
+
+    def add_footprints(self, name: str, feet: Footprints) -> None:
+        """Score the layout of ``feet`` (each block's GPUs per domain) as the candidate ``name``."""
+        a2ps = [self.scorer.slices(blk, shape_of(f)) for blk, f in zip(self.blocks, feet)]
+        self.add(name, assign_gpus(self.instance, self.blocks, feet, a2ps)[0], feet, a2ps)
 
     def unit_shapes(self, unit: int) -> list[list[tuple[int, ...]]]:
         """Per block, the candidate shapes in parts of ``unit`` GPUs (or of its atoms)."""
@@ -294,10 +298,9 @@ class LayoutPlanner:
         """The first-fit layout in parts of ``unit`` GPUs: a hint, and a candidate when affordable."""
         first = first_fit(self.blocks, self.free, unit) if not self.equal_only else None
         if first is not None and not any(c.name == "first_fit" for c in self.cands):
-            a2ps = [self.scorer.slices(blk, shape_of(f)) for blk, f in zip(self.blocks, first)]
             predicted = sum(self.scorer.predict_s(blk, len(f)) for blk, f in zip(self.blocks, first))
             if self.budget.affords(predicted + reserve_s):
-                self.add("first_fit", assign_gpus(self.instance, self.blocks, first, a2ps)[0], first, a2ps)
+                self.add_footprints("first_fit", first)
         return first
 
     def search_footprints(self, hints: list[Footprints]) -> list[Footprints] | None:
