@@ -45,6 +45,7 @@ Index conventions
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal
@@ -68,6 +69,7 @@ __all__ = [
     "InvalidInputError",
     "InfeasibleError",
     "SolverError",
+    "MoveRequest",
     "dispatch_bytes_fp8",
     "combine_bytes_bf16",
 ]
@@ -459,3 +461,38 @@ class Placement:
     def expert2eprank(self, experts_per_rank: int) -> np.ndarray:
         """(num_moe_layers, num_experts) EP rank hosting each logical expert."""
         return self.log2phy // experts_per_rank
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoveRequest:
+    """A re-placement request: keep close to ``previous`` (what the solvers read; the accounting of
+    what it moves is :mod:`placement.movecount`, reading and checking a previous file
+    :mod:`placement.moves`).
+
+    previous : the placement training runs with (same instance shape).
+    max_moved_bytes : hard budget on the moved bytes (cross-rack plus NVLink) of the whole placement.
+    move_cost : weight ``W`` of a moved byte in per-step all-to-all bytes (the move-cost rule is
+        written out in :mod:`placement.moves`).
+    expert_params : parameters per routed expert (default: from the instance's ``performance``
+        block).
+    sharded_optimizer : the optimizer state is sharded over the expert's replicas (Megatron's
+        distributed optimizer); False: every replica holds it whole.
+    """
+
+    previous: Placement
+    max_moved_bytes: float | None = None
+    move_cost: float | None = None
+    expert_params: int | None = None
+    sharded_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_moved_bytes is not None and self.move_cost is not None:
+            raise InvalidInputError("max_moved_bytes, move_cost: give at most one of them")
+        for name in ("max_moved_bytes", "move_cost"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise InvalidInputError(f"{name}: expected a non-negative, finite number, found {v!r}")
+        p = self.expert_params
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
+            raise InvalidInputError(f"expert_params: expected a positive integer, found {p!r}")

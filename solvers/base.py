@@ -21,8 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Protocol
 
-from placement.model import Instance, Placement
-from placement.moves import MoveRequest
+from placement.model import Instance, MoveRequest, Placement
 
 __all__ = [
     "Consumer",
@@ -103,7 +102,7 @@ class SolveOptions:
     progress : called with one-line progress messages (the CLI prints them on a terminal).
     stop_event : set by the caller to ask for the best placement found so far now (the CLI sets
         it on SIGINT/SIGTERM); solvers poll :meth:`should_stop`, which also covers the deadline.
-    moves : a move-aware re-placement (:class:`placement.moves.MoveRequest`: the previous placement,
+    moves : a move-aware re-placement (:class:`placement.model.MoveRequest`: the previous placement,
         a moved-bytes budget or a move cost); only ``cpsat`` reads it.
     fit : how the expert maps weigh several time-ordered sampled windows (``routing.window_tokens``):
         ``robust`` the worst window, ``mean`` their sum, ``latest`` the latest only; the guard

@@ -1,7 +1,7 @@
 """Move-aware re-placement: per-layer candidate maps between the previous map and the solved one,
 and their allocation over layers under a moved-bytes budget or a move-cost weight.
 
-The accounting (bytes per replica, moves counted by GPU) is :mod:`placement.moves`; this module is
+The accounting (bytes per replica, moves counted by GPU) is :mod:`placement.movecount`; this module is
 the search side.
 
 Per layer (in the layer's worker, after :func:`solvers.experts.layer.solve_layer`):
@@ -118,7 +118,7 @@ class MovePlan:
 def build_move_plan(instance: Instance, rank2gpu: np.ndarray, previous: Placement, *, bytes_per_replica: float,
                     max_moved_bytes: float | None, move_cost: float | None) -> MovePlan:
     """Per-layer move prices for a solve on ``rank2gpu`` re-placing ``previous`` (counted by GPU)."""
-    from placement.moves import replica_gpus
+    from placement.movecount import replica_gpus
 
     par, cl = instance.parallel, instance.cluster
     dom = cl.gpu2domain
@@ -590,8 +590,9 @@ def allocate_moves(frontiers: dict[int, list[MoveCandidate]], plan: MovePlan,
 
 
 def build_plan_for(instance: Instance, rank2gpu: np.ndarray, request: object) -> MovePlan:
-    """:func:`build_move_plan` from a :class:`placement.moves.MoveRequest` (move cost 0 when it gives neither rule)."""
-    from placement.moves import MoveRequest, replica_state_bytes
+    """:func:`build_move_plan` from a :class:`placement.model.MoveRequest` (move cost 0 when it gives neither rule)."""
+    from placement.model import MoveRequest
+    from placement.movecount import replica_state_bytes
 
     assert isinstance(request, MoveRequest)
     bpr = replica_state_bytes(instance, params=request.expert_params, sharded_optimizer=request.sharded_optimizer)
@@ -611,7 +612,7 @@ def previous_check(instance: Instance, options: object, placement: Placement, pl
     placement wins (ties included: it moves nothing), ``return_placement``.
     """
     from placement.cost import evaluate
-    from placement.moves import count_moves
+    from placement.movecount import count_moves
     from placement.performance import StepTimeModel
     from solvers.base import SolveOptions
 
