@@ -185,3 +185,4 @@ def remove(handles: Sequence[Any]) -> None:
     """Remove hooks returned by :func:`install_megatron` / :func:`install_torchtitan`."""
     for h in handles:
         h.remove()
+from placement.migrate import migrate  # noqa: E402,F401  (re-exported: placement.runtime.migrate)

@@ -1,0 +1,517 @@
+"""Re-place experts in a running training job: move expert state between EP ranks at a step boundary.
+
+:func:`migrate` takes the live expert map that :func:`placement.runtime.install_megatron` /
+:func:`placement.runtime.install_torchtitan` installed (the router stays logical; physical slot
+``p`` holds logical expert ``phy2log[p]`` and sits on EP rank ``p // experts_per_rank``) and a new
+map per MoE layer.  Every logical expert whose slot changes takes its whole training state along:
+
+* its weights (the model parameters of the slot),
+* its FP32 master weights, when the optimizer keeps them apart from the model parameters
+  (Megatron-Core's ``Float16OptimizerWithFloat16Params`` sets ``param.main_param``),
+* its optimizer state (Adam's ``exp_avg`` and ``exp_avg_sq``, any per-element state the optimizer
+  keeps for the parameter); scalar state (Adam's ``step``) is the same for every expert and is
+  checked to be equal on every rank, not sent.
+
+Protocol, all ranks of one expert-parallel group (each EP group of a stage runs it in its own group:
+expert-data-parallel replicas hold the same experts and move them the same way):
+
+1. **Plan and agree**: each rank derives the same moves from the old and new maps, checks that its
+   slots' state has the layout of every other rank's (names, shapes, dtypes) and that scalar state
+   agrees; an all-reduce (MIN) of a status flag over the group.  A failure anywhere: every rank
+   raises :class:`MigrationError`, nothing has changed.
+2. **Transfer into scratch**: one batch of point-to-point operations
+   (``torch.distributed.batch_isend_irecv``), one buffer per moved slot and dtype, in one global
+   order on every rank; slots that change slot on the same rank are copied locally.  Live tensors
+   are not touched.
+3. **Agree again**: received buffers are checked (finite); an all-reduce of the status flag.  A
+   failure on any rank: every rank drops its scratch and raises; the old placement, weights and
+   optimizer state are intact and training continues on them.
+4. **Commit**: the scratch buffers are copied into the live tensors (in place: optimizer and
+   hooks keep their references) and the live map switches (``live_map.update``).
+
+Supported, and refused with a one-line :class:`MigrationError` otherwise:
+
+* Megatron-Core 0.16.1 ``SequentialMLP`` experts (``mlp.experts.local_experts[i]``, the local
+  non-TransformerEngine spec), with a plain ``torch.optim`` optimizer, Megatron's
+  ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` (master weights through
+  ``param.main_param``) or a ``ChainedOptimizer`` of them.  Not supported: ``TEGroupedMLP`` /
+  ``GroupedMLP`` (experts stacked in TransformerEngine buffers), the ``DistributedOptimizer``
+  (its shards live in flat buffers), FP8 parameters.
+* TorchTitan 0.3.0 ``GroupedExperts`` (``w1_EFD``, ``w2_EDF``, ``w3_EFD``: local experts stacked
+  on dim 0; DTensor parameters are read through ``to_local()``) with a ``torch.optim`` optimizer
+  (TorchTitan's mixed precision keeps FP32 parameters: they are the master weights).
+
+Call it after ``optimizer.step()`` and ``zero_grad()``: gradients are not moved.  The router, its
+bias and token counters stay logical and do not move.  The map to save with each checkpoint:
+:func:`map_state` / :func:`save_map`; on resume, :func:`load_map` and install it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from placement.model import InvalidInputError, PlacementError
+
+__all__ = [
+    "MAP_KIND",
+    "MAP_VERSION",
+    "MigrationError",
+    "MigrationReport",
+    "migrate",
+    "plan_moves",
+    "map_state",
+    "maps_from_state",
+    "save_map",
+    "load_map",
+]
+
+MAP_KIND = "placement.live_expert_map"
+MAP_VERSION = 1
+
+
+class MigrationError(PlacementError):
+    """A migration was refused or failed before the switch; the old placement is intact (exit 1)."""
+
+
+@dataclass
+class MigrationReport:
+    """What one rank did in one migration.
+
+    moved_replicas_per_layer : ``{layer: logical experts of this EP group that changed EP rank}``
+        (the same on every rank; the solver's move report counts the same replicas per EP group).
+    local_moves : slots filled from another slot of this rank (no bytes over the network).
+    sent_bytes, received_bytes : bytes this rank sent / received.
+    bytes_by_kind : this rank's sent bytes split into ``weights``, ``master`` and ``optimizer``.
+    transfer_s, total_s : wall time of the point-to-point batch, and of the whole call.
+    """
+
+    moved_replicas_per_layer: dict[int, int]
+    local_moves: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    transfer_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def moved_replicas(self) -> int:
+        return int(sum(self.moved_replicas_per_layer.values()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"moved_replicas": self.moved_replicas,
+                "moved_replicas_per_layer": {str(k): v for k, v in sorted(self.moved_replicas_per_layer.items())},
+                "local_moves": self.local_moves, "sent_bytes": self.sent_bytes,
+                "received_bytes": self.received_bytes, "bytes_by_kind": dict(self.bytes_by_kind),
+                "transfer_s": self.transfer_s, "total_s": self.total_s}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: pure, from the maps alone
+# ---------------------------------------------------------------------------------------------
+def plan_moves(old: Sequence[int] | np.ndarray, new: Sequence[int] | np.ndarray, ep: int) -> list[tuple[int, int]]:
+    """``[(src_slot, dst_slot), ...]`` for one layer: new slot ``dst`` takes the logical expert that
+    old slot ``src`` holds (``new[dst] == old[src]``), for every slot whose expert changes slot.
+
+    old, new : (E,) phy2log before and after; ep : EP ranks (slot ``p`` is on rank ``p // (E / ep)``).
+    Sorted by ``dst``; the order every rank posts its transfers in.
+    """
+    old_a, new_a = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+    n = old_a.shape[0]
+    if new_a.shape != (n,) or sorted(old_a.tolist()) != list(range(n)) or sorted(new_a.tolist()) != list(range(n)):
+        raise InvalidInputError(f"phy2log: expected two permutations of 0..{n - 1}")
+    if ep <= 0 or n % ep:
+        raise InvalidInputError(f"ep: {n} experts do not split over {ep} EP ranks")
+    log2phy_old = np.empty(n, dtype=np.int64)
+    log2phy_old[old_a] = np.arange(n)
+    return [(int(log2phy_old[new_a[p]]), p) for p in range(n) if int(log2phy_old[new_a[p]]) != p]
+
+
+# ---------------------------------------------------------------------------------------------
+# Where each local slot's state lives
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Field:
+    """One tensor of one slot's state: ``tensor[row]`` (``row`` None: the whole tensor)."""
+
+    kind: str  # "weights" | "master" | "optimizer"
+    name: str
+    tensor: Any
+    row: int | None
+
+    def view(self) -> Any:
+        return self.tensor if self.row is None else self.tensor[self.row]
+
+
+_TITAN_LAYER = re.compile(r"(?:.*\.)?layers\.(?P<layer>\d+)\.moe")
+_TITAN_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _expert_params(model: Any, layers: Sequence[int]) -> tuple[str, dict[int, list[list[tuple[str, Any, int | None]]]]]:
+    """(stack, ``{layer: [slot i: [(name, parameter, row), ...]]}``) for this rank's local slots."""
+    found: dict[int, list[list[tuple[str, Any, int | None]]]] = {}
+    stack = ""
+    for name, module in model.named_modules():
+        mlp = getattr(module, "mlp", None)
+        experts = getattr(mlp, "experts", None)
+        if experts is not None and hasattr(module, "layer_number") and hasattr(mlp, "router"):
+            kind = type(experts).__name__
+            if kind != "SequentialMLP":
+                raise MigrationError(f"{name}.mlp.experts: {kind} experts are not supported by migrate "
+                                     "(only Megatron-Core SequentialMLP)")
+            layer = int(module.layer_number) - 1
+            found[layer] = [[(n, p, None) for n, p in expert.named_parameters()] for expert in experts.local_experts]
+            stack = "megatron"
+            continue
+        routed = getattr(module, "routed_experts", None)
+        if routed is not None and hasattr(module, "router"):
+            inner = getattr(routed, "inner_experts", None)
+            if inner is None or not all(hasattr(inner, w) for w in _TITAN_WEIGHTS):
+                raise MigrationError(f"{name or 'model'}.routed_experts: not TorchTitan GroupedExperts "
+                                     "(w1_EFD, w2_EDF, w3_EFD)")
+            m = _TITAN_LAYER.fullmatch(name)
+            if m:
+                layer = int(m.group("layer"))
+            elif name == "" and len(layers) == 1:
+                layer = int(layers[0])
+            else:
+                raise MigrationError(f"{name or 'model'}: a TorchTitan MoE module whose layer index is not in its name")
+            params = [(w, getattr(inner, w)) for w in _TITAN_WEIGHTS]
+            rows = int(_local(params[0][1]).shape[0])
+            found[layer] = [[(w, p, i) for w, p in params] for i in range(rows)]
+            stack = "torchtitan"
+    missing = sorted(set(layers) - set(found))
+    if missing:
+        raise MigrationError(f"layers {missing[:6]}: the model has no MoE layer with these indices")
+    if not found:
+        raise MigrationError("model: no MoE layer to migrate")
+    return stack, {layer: found[layer] for layer in layers}
+
+
+def _optimizer_states(optimizer: Any) -> list[Any]:
+    """The ``torch.optim.Optimizer`` s behind ``optimizer`` (refusing what is not supported)."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    kind = type(optimizer).__name__
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for inner in optimizer.chained_optimizers for o in _optimizer_states(inner)]
+    if kind in ("DistributedOptimizer", "HybridDeviceOptimizer") or "Distributed" in kind:
+        raise MigrationError(f"optimizer: {kind} is not supported by migrate (its shards live in flat buffers); "
+                             "use a torch.optim optimizer, FP32Optimizer or Float16OptimizerWithFloat16Params")
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    raise MigrationError(f"optimizer: {kind} is not supported by migrate")
+
+
+def _slot_fields(stack: str, params: list[tuple[str, Any, int | None]], states: list[Any]) -> tuple[list[_Field], list[float]]:
+    """The fields of one slot (weights, master, per-element optimizer state) and its scalar states."""
+    import torch
+
+    fields: list[_Field] = []
+    scalars: list[float] = []
+    for name, param, row in params:
+        if getattr(param, "_is_float8tensor", False) or type(param).__name__.startswith("Float8"):
+            raise MigrationError(f"{name}: FP8 parameters are not supported by migrate")
+        fields.append(_Field("weights", name, _local(param.data), row))
+        master = getattr(param, "main_param", None)
+        holders = [param] if master is None else [master]
+        if master is not None:
+            fields.append(_Field("master", f"{name}.main_param", _local(master.data), row))
+        for holder in holders:
+            for opt in states:
+                state = opt.state.get(holder)
+                if not state:
+                    continue
+                for key in sorted(state):
+                    value = state[key]
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    local = _local(value)
+                    if local.dim() == 0 or local.numel() == 1 and local.shape != _local(holder).shape:
+                        scalars.append(float(local.item()))
+                    elif local.shape == _local(holder).shape:
+                        fields.append(_Field("optimizer", f"{name}.{key}", local, row))
+                    else:
+                        raise MigrationError(f"{name}: optimizer state {key!r} of shape {tuple(local.shape)} is "
+                                             "neither per element nor a scalar")
+    return fields, scalars
+
+
+# ---------------------------------------------------------------------------------------------
+# The live map and the checkpoint entry
+# ---------------------------------------------------------------------------------------------
+def _as_maps(new_placement: Any) -> dict[int, np.ndarray]:
+    if isinstance(new_placement, Mapping) and new_placement.get("kind") == MAP_KIND:
+        return maps_from_state(new_placement)
+    from placement.runtime import expert_map
+
+    return {layer: np.asarray(m.phy2log, dtype=np.int64) for layer, m in expert_map(new_placement).items()}
+
+
+def map_state(maps: Mapping[int, Sequence[int] | np.ndarray] | Any) -> dict[str, Any]:
+    """The checkpoint entry of the live map: ``{"kind", "version", "layers": {layer: phy2log}}``.
+
+    ``maps``: ``{layer: phy2log}`` or a live map (an object with ``layers`` and ``phy2log(layer)``,
+    as :func:`placement.runtime.install_megatron` returns).  Put it in the state dict the job saves
+    (e.g. ``state["expert_map"] = map_state(live)``) or write it beside the checkpoint with
+    :func:`save_map`.
+    """
+    if not isinstance(maps, Mapping):
+        maps = {int(layer): maps.phy2log(layer) for layer in _live_layers(maps)}
+    return {"kind": MAP_KIND, "version": MAP_VERSION,
+            "layers": {str(int(k)): [int(x) for x in np.asarray(v).tolist()] for k, v in sorted(maps.items())}}
+
+
+def maps_from_state(state: Mapping[str, Any], where: str = "expert_map") -> dict[int, np.ndarray]:
+    """``{layer: phy2log}`` from :func:`map_state`'s entry (checked: kind, version, permutations)."""
+    if not isinstance(state, Mapping) or state.get("kind") != MAP_KIND:
+        raise InvalidInputError(f"{where}: kind: expected {MAP_KIND!r}")
+    if state.get("version") != MAP_VERSION:
+        raise InvalidInputError(f"{where}: version: expected {MAP_VERSION}, found {state.get('version')!r}")
+    layers = state.get("layers")
+    if not isinstance(layers, Mapping) or not layers:
+        raise InvalidInputError(f"{where}: layers: expected a non-empty object of layer -> phy2log")
+    out: dict[int, np.ndarray] = {}
+    for key, perm in layers.items():
+        if not str(key).isdigit() or not isinstance(perm, list) or sorted(perm) != list(range(len(perm))):
+            raise InvalidInputError(f"{where}: layers.{key}: expected a permutation of 0..E-1 under a layer index")
+        out[int(key)] = np.asarray(perm, dtype=np.int64)
+    return dict(sorted(out.items()))
+
+
+def save_map(path: str | os.PathLike[str], maps: Any) -> None:
+    """Write :func:`map_state` of ``maps`` to ``path`` atomically (temp file, fsync, ``os.replace``)."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=str(target.parent))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(map_state(maps), f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_map(path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
+    """``{layer: phy2log}`` from a file :func:`save_map` wrote."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(f"{path}: not a readable expert-map file ({e})") from None
+    return maps_from_state(doc, str(path))
+
+
+def _live_layers(live_map: Any) -> list[int]:
+    layers = getattr(live_map, "layers", None)
+    if layers is None:
+        raise MigrationError("live_map: expected the object install_megatron / install_torchtitan returned")
+    return sorted(int(x) for x in (layers() if callable(layers) else layers))
+
+
+# ---------------------------------------------------------------------------------------------
+# migrate
+# ---------------------------------------------------------------------------------------------
+def _agree(ok: bool, group: Any) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item() == 1)
+
+
+def _same_everywhere(values: list[int], group: Any) -> bool:
+    """All ranks of ``group`` hold the same integers (compared by MIN and MAX all-reduces)."""
+    import torch
+    import torch.distributed as dist
+
+    lo = torch.tensor(values, dtype=torch.int64)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    return bool(torch.equal(lo, hi))
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+def _check_received(buffers: list[Any]) -> None:
+    """Raise if a received buffer holds a non-finite number (a torn or corrupted transfer)."""
+    import torch
+
+    for b in buffers:
+        if b.is_floating_point() and not bool(torch.isfinite(b).all()):
+            raise MigrationError("received expert state with non-finite values")
+
+
+def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, group: Any = None) -> MigrationReport:
+    """Move every re-placed expert's weights, master weights and optimizer state to its new EP rank,
+    then switch the live map (module docstring: protocol, what is supported).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        This rank's model (Megatron-Core ``GPTModel`` or pipeline stage, or a TorchTitan decoder),
+        its experts in physical order under ``live_map``.
+    optimizer : the job's optimizer (torch.optim, or Megatron-Core's wrapper of one).
+    new_placement : ``{layer: phy2log}`` (model layer index -> (E,) logical expert of each slot), a
+        permutation document or its path, or a :func:`map_state` entry; every layer of ``live_map``.
+    live_map : the object :func:`placement.runtime.install_megatron` /
+        :func:`placement.runtime.install_torchtitan` returned (``phy2log(layer)``, ``update(maps)``).
+    group : the expert-parallel process group (default: Megatron-Core's
+        ``parallel_state.get_expert_model_parallel_group()``; TorchTitan: ``mesh["ep"].get_group()``).
+
+    Returns
+    -------
+    MigrationReport
+        This rank's transfers; ``moved_replicas_per_layer`` is the same on every rank.
+
+    Raises
+    ------
+    MigrationError
+        On every rank of the group, when any rank refuses or fails before the switch; the old map,
+        weights and optimizer state are then unchanged everywhere.
+    """
+    import torch
+    import torch.distributed as dist
+
+    t_start = time.perf_counter()
+    if group is None:
+        from megatron.core import parallel_state  # type: ignore[import-untyped]
+
+        group = parallel_state.get_expert_model_parallel_group()
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+
+    # 1. plan and agree
+    ok, error = True, ""
+    plans: dict[int, list[tuple[int, int]]] = {}
+    fields: dict[int, list[list[_Field]]] = {}
+    new_maps: dict[int, np.ndarray] = {}
+    signature: list[int] = [-1, -1, -1]
+    scalars: list[float] = []
+    try:
+        new_maps = _as_maps(new_placement)
+        layers = sorted(new_maps)
+        stack, params = _expert_params(model, layers)
+        states = _optimizer_states(optimizer)
+        sig_text = [stack, str(ep)]
+        for layer in layers:
+            try:
+                old = np.asarray(live_map.phy2log(layer), dtype=np.int64).reshape(-1)
+            except (KeyError, IndexError):
+                raise MigrationError(f"new_placement: layer {layer} has no live map") from None
+            plans[layer] = plan_moves(old, new_maps[layer], ep)
+            per_rank = old.shape[0] // ep
+            if len(params[layer]) != per_rank:
+                raise MigrationError(f"layer {layer}: {len(params[layer])} local experts, the map gives {per_rank} per rank")
+            fields[layer] = []
+            for slot in params[layer]:
+                f, s = _slot_fields(stack, slot, states)
+                fields[layer].append(f)
+                scalars += s
+            sig_text.append(f"{layer}:{old.tolist()}:{new_maps[layer].tolist()}")
+            sig_text += [f"{x.kind}/{x.name}/{tuple(x.view().shape)}/{x.view().dtype}" for x in fields[layer][0]]
+            if any([(x.name, x.view().shape, x.view().dtype) for x in f] !=
+                   [(x.name, x.view().shape, x.view().dtype) for x in fields[layer][0]] for f in fields[layer]):
+                raise MigrationError(f"layer {layer}: local experts hold state of different layouts")
+        lo, hi = (min(scalars), max(scalars)) if scalars else (0.0, 0.0)
+        if lo != hi or not all(math.isfinite(x) for x in (lo, hi)):
+            raise MigrationError(f"optimizer: scalar state differs between experts ({lo} .. {hi})")
+        signature = [_digest("|".join(sig_text)), struct.unpack("<q", struct.pack("<d", lo))[0], len(scalars)]
+    except (MigrationError, InvalidInputError) as e:
+        ok, error = False, str(e)
+    agreed = _agree(ok, group)
+    agreed = _same_everywhere([int(x) for x in signature], group) and agreed
+    if not agreed:
+        raise MigrationError(error or "migrate: another EP rank refused, or the ranks' plans or state layouts differ; "
+                             "nothing moved")
+
+    # 2. transfer into scratch
+    report = MigrationReport({layer: sum(1 for s, d in plans[layer] if s // (len(new_maps[layer]) // ep)
+                                         != d // (len(new_maps[layer]) // ep)) for layer in plans})
+    scratch: list[tuple[list[_Field], list[Any]]] = []  # (destination fields, buffers by dtype)
+    received: list[Any] = []
+    ops: list[Any] = []
+    sent_keep: list[Any] = []
+    t_transfer = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for layer in sorted(plans):
+                per_rank = len(new_maps[layer]) // ep
+                for src, dst in plans[layer]:
+                    src_rank, dst_rank = src // per_rank, dst // per_rank
+                    if me not in (src_rank, dst_rank):
+                        continue
+                    dst_fields = fields[layer][dst % per_rank] if dst_rank == me else []
+                    src_fields = fields[layer][src % per_rank] if src_rank == me else []
+                    template = dst_fields or src_fields
+                    dtypes = sorted({str(f.view().dtype) for f in template})
+                    for dtype_name in dtypes:
+                        group_fields = [i for i, f in enumerate(template) if str(f.view().dtype) == dtype_name]
+                        if src_rank == me:
+                            packed = torch.cat([src_fields[i].view().reshape(-1) for i in group_fields])
+                        if dst_rank == me and src_rank == me:
+                            scratch.append(([dst_fields[i] for i in group_fields], [packed.clone()]))
+                            report.local_moves += 1 if dtype_name == dtypes[0] else 0
+                        elif src_rank == me:
+                            sent_keep.append(packed)
+                            peer = dist.get_global_rank(group, dst_rank)
+                            ops.append(dist.P2POp(dist.isend, packed, peer, group))
+                            report.sent_bytes += packed.numel() * packed.element_size()
+                            for i in group_fields:
+                                v = src_fields[i].view()
+                                kind = src_fields[i].kind
+                                report.bytes_by_kind[kind] = report.bytes_by_kind.get(kind, 0) + v.numel() * v.element_size()
+                        else:
+                            numel = sum(dst_fields[i].view().numel() for i in group_fields)
+                            buf = torch.empty(numel, dtype=dst_fields[group_fields[0]].view().dtype)
+                            scratch.append(([dst_fields[i] for i in group_fields], [buf]))
+                            received.append(buf)
+                            peer = dist.get_global_rank(group, src_rank)
+                            ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+                            report.received_bytes += buf.numel() * buf.element_size()
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            report.transfer_s = time.perf_counter() - t_transfer
+            _check_received(received)
+            ok, error = True, ""
+    except (MigrationError, RuntimeError) as e:
+        ok, error = False, f"transfer: {e}"
+
+    # 3. agree again, 4. commit
+    if not _agree(ok, group):
+        raise MigrationError(error or "migrate: another EP rank failed before the switch; the old placement is kept")
+    with torch.no_grad():
+        for targets, (buf,) in scratch:
+            offset = 0
+            for target in targets:
+                v = target.view()
+                v.copy_(buf[offset:offset + v.numel()].view(v.shape))
+                offset += v.numel()
+    live_map.update({layer: new_maps[layer] for layer in sorted(new_maps)})
+    report.total_s = time.perf_counter() - t_start
+    return report

@@ -1,0 +1,117 @@
+"""Live expert migration (placement.migrate) in multi-process CPU training on the stacks' own code.
+
+Two gloo processes, EP = 2, 8 experts per MoE layer, two MoE layers (tests/stacks/migrate_jobs.py:
+Megatron-Core 0.16.1 ``GPTModel`` + ``SequentialMLP`` + ``FP32Optimizer(Adam)``; TorchTitan 0.3.0
+``MoE`` + ``GroupedExperts`` + ``AllToAllTokenDispatcher`` + ``torch.optim.Adam``).  Asserted:
+
+- a run that migrates after step 2 gives the losses and the final parameters and Adam moments
+  (by logical expert) of a run that never migrates, up to ``ATOL`` (float reordering in the combine);
+- the replicas and bytes it moves are what :func:`placement.movecount.count_moves` (the solver's
+  move report) counts for the same two maps, at this run's 12 bytes per parameter (FP32 weights,
+  two FP32 moments: no separate master copy on CPU);
+- a migration that fails on one rank before the switch leaves every rank on the old map with
+  unchanged state, and training continues exactly as the run that never migrates;
+- a checkpoint saved after the migration (model, optimizer, the map entry) resumes identically.
+
+A migration that skips the optimizer state fails this test: run the job by hand with
+``MIGRATE_SKIP_OPTIMIZER=1`` (docs/migration.md shows the failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 2
+ATOL = 2e-5  # losses are O(1..100); a skipped optimizer state moves them by O(1e-2)
+
+
+def _run(stack: str, tmp_path: Path) -> list[dict]:
+    from tests.stacks.tiny import free_port
+
+    out = tmp_path / f"{stack}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.stacks.migrate_jobs", stack, str(r), str(WORLD), str(port),
+                               str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(WORLD)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=170)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{stack}: the migration job did not finish in 170 s")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD)]
+
+
+def _close(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    worst = max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) for k in a)
+    assert worst <= ATOL, f"{what}: max |difference| {worst:.3g} > {ATOL}"
+
+
+def _count(stack_layers: list[int], new_maps: dict) -> dict:
+    """The solver's move report for identity -> new_maps on a 2-rank, 2-GPU, 2-domain instance."""
+    from placement.model import Placement
+    from placement.movecount import count_moves
+    from solvers.default import default_rank2gpu
+    from tests.conftest import random_instance
+
+    inst = random_instance(np.random.default_rng(0), num_experts=8, top_k=2, ep=WORLD, dp=WORLD, pp=1,
+                           num_domains=2, trays_per_domain=1, gpus_per_tray=1, moe_layers=len(stack_layers))
+    r2g = default_rank2gpu(inst)
+    old = Placement(r2g, np.tile(np.arange(8), (len(stack_layers), 1)))
+    new = Placement(r2g, np.asarray([new_maps[str(k)] for k in stack_layers]))
+    return count_moves(inst, old, new, bytes_per_replica=1.0).to_dict()
+
+
+PARAMS_PER_EXPERT = {"megatron": 2 * 24 * 16 + 16 * 24, "torchtitan": 3 * 24 * 16}  # fc1 (GLU) + fc2; w1, w2, w3
+
+
+@pytest.mark.parametrize("stack", ["megatron", "torchtitan"])
+def test_migration_mid_training_equals_never_migrating(stack, tmp_path):
+    if stack == "megatron":
+        pytest.importorskip("megatron.core")
+    else:
+        pytest.importorskip("torchtitan")
+        pytest.importorskip("triton")
+    ranks = _run(stack, tmp_path)
+    r0 = ranks[0]
+    # the same losses and final state (by logical expert) as never migrating
+    assert np.allclose(r0["moved_losses"], r0["base_losses"], rtol=0, atol=ATOL)
+    _close(r0["moved_state"], r0["base_state"], "migrated vs never migrated")
+    assert r0["moved_live_maps"] == r0["new_maps"]
+    # what moved is what the solver's move report counts
+    report = _count(r0["layers"], r0["new_maps"])
+    for r in ranks:
+        assert r["moved_report"]["moved_replicas_per_layer"] == {
+            str(k): n for k, n in zip(r0["layers"], report["moved_replicas_per_layer"])}
+    bytes_per_replica = PARAMS_PER_EXPERT[stack] * 12
+    assert sum(r["moved_report"]["sent_bytes"] for r in ranks) == report["moved_replicas"] * bytes_per_replica
+    assert sum(r["moved_report"]["received_bytes"] for r in ranks) == report["moved_replicas"] * bytes_per_replica
+    assert sum(r["moved_report"]["bytes_by_kind"]["optimizer"] for r in ranks) == (
+        report["moved_replicas"] * PARAMS_PER_EXPERT[stack] * 8)
+    assert sum(r["moved_report"]["local_moves"] for r in ranks) > 0  # slots swapped on one rank too
+    # interrupted before the switch: old map, state unchanged, training as if nothing happened
+    for r in ranks:
+        assert "interrupted_error" in r and r["interrupted_unchanged_after_failure"]
+    assert "injected" in ranks[1]["interrupted_error"]
+    assert np.allclose(r0["interrupted_losses"], r0["base_losses"], rtol=0, atol=0)
+    _close(r0["interrupted_state"], r0["base_state"], "interrupted vs never migrated")
+    # resume from a checkpoint saved after the migration
+    assert all(r["sidecar_equal"] for r in ranks)
+    assert r0["resumed_losses"] == r0["continued_losses"]
+    _close(r0["resumed_state"], r0["continued_state"], "resumed vs continued")
