@@ -310,6 +310,59 @@ def _gathered(job: Any, model: Any, opt: Any, maps: Any) -> dict[str, list[float
     return out
 
 
+def _base_instance(path: Path, world: int) -> None:
+    """The job's instance file: 8 experts, top-2, MoE layers 0 and 1, EP = DP = world, one GPU per
+    domain (every move crosses racks)."""
+    import dataclasses
+
+    import numpy as np
+
+    from placement.api import save_instance
+    from tests.conftest import random_instance
+
+    inst = random_instance(np.random.default_rng(0), num_experts=NUM_EXPERTS, top_k=2, ep=world, dp=world, pp=1,
+                           num_domains=world, trays_per_domain=1, gpus_per_tray=1, moe_layers=2)
+    save_instance(dataclasses.replace(inst, name="migrate-job"), path)
+
+
+def controller_run(job: Any, rank: int, folder: Path) -> dict[str, Any]:
+    """Train under a :class:`placement.controller.ReplacementController` (a cycle every 4 steps,
+    recording 2) until its first decision; report it and the state after it."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from placement.controller import ReplacementController
+    from placement.model import Placement
+    from solvers.default import default_rank2gpu
+
+    base = folder / "instance.json"
+    if rank == 0:
+        _base_instance(base, job.world)
+    dist.barrier()
+    from placement.formats import read_instance
+
+    inst = read_instance(base)
+    model, opt = job.build(7)
+    identity = {k: list(range(NUM_EXPERTS)) for k in job.layers}
+    live = live_map(job.install, model, identity)
+    placement = Placement(default_rank2gpu(inst), np.tile(np.arange(NUM_EXPERTS), (2, 1)))
+    ctl = ReplacementController(model, opt, live, placement=placement, base=base, stack="megatron",
+                                work_dir=folder / "controller", rank=rank, every_steps=4, record_steps=2,
+                                time_limit_s=10.0, grace_s=60.0, payback_within_steps=1e9, group=job.group)
+    entry = None
+    step = 0
+    while entry is None and step < 3000:
+        job.step(model, opt, 0)  # the same batch every step: the held-out window routes as the recorded one
+        entry = ctl.after_step(step)
+        step += 1
+        if entry is None and ctl._pending is not None:
+            time.sleep(0.02)
+    ctl.close()
+    return {"entry": entry.to_dict() if entry else None, "expert_params": ctl.expert_params,
+            "live_maps": {str(k): [int(x) for x in live.phy2log(k)] for k in job.layers},
+            "log_lines": (folder / "controller" / "controller.jsonl").read_text().splitlines() if rank == 0 else []}
+
+
 def run(stack: str, rank: int, world: int, port: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -378,6 +431,8 @@ def run(stack: str, rank: int, world: int, port: int, out_path: str) -> None:
         result["resumed_state"] = _gathered(job, fresh, fopt, flive)
     model, opt, live, losses = train("interrupted", migrate_to=new_maps, fail=True)
     result["interrupted_losses"], result["interrupted_state"] = losses, _gathered(job, model, opt, live)
+    if stack == "megatron":
+        result["controller"] = controller_run(job, rank, Path(out_path).parent)
     result["elapsed_s"] = time.perf_counter() - t0
     Path(f"{out_path}.rank{rank}").write_text(json.dumps(result))
     dist.barrier()

@@ -115,3 +115,28 @@ def test_migration_mid_training_equals_never_migrating(stack, tmp_path):
     assert all(r["sidecar_equal"] for r in ranks)
     assert r0["resumed_losses"] == r0["continued_losses"]
     _close(r0["resumed_state"], r0["continued_state"], "resumed vs continued")
+    if stack == "megatron":
+        _check_controller(ranks)
+
+
+def _check_controller(ranks: list[dict]) -> None:
+    """The controller in the Megatron job (a cycle every 4 steps recording 2, payback bound 1e9): its
+    first decision applies the solver's answer, and the migration moves what the answer's move
+    report counts."""
+    entries = [r["controller"]["entry"] for r in ranks]
+    assert all(e is not None and e["decision"] == "applied" for e in entries), entries[0]
+    solve, migration = entries[0]["solve"], entries[0]["migration"]
+    assert solve["moved_replicas"] > 0 and solve["predicted_move_time_s"] > 0
+    assert list(migration["moved_replicas_per_layer"].values()) == solve["moved_replicas_per_layer"]
+    params = ranks[0]["controller"]["expert_params"]
+    assert params == PARAMS_PER_EXPERT["megatron"]
+    # the move report prices 14 bytes per parameter (BF16 weights + FP32 master + 2 moments); this
+    # CPU run holds FP32 weights and 2 moments: 12
+    assert solve["moved_bytes"] == solve["moved_replicas"] * params * 14
+    sent = [r["controller"]["entry"]["migration"]["sent_bytes"] for r in ranks]
+    assert sum(sent) == solve["moved_replicas"] * params * 12
+    assert all(e["migration"]["measured_migration_s"] > 0 for e in entries)
+    maps = ranks[0]["controller"]["live_maps"]
+    assert maps == ranks[1]["controller"]["live_maps"] and maps != {k: list(range(8)) for k in maps}
+    (line,) = ranks[0]["controller"]["log_lines"]
+    assert json.loads(line) == entries[0] | {"migration": json.loads(line)["migration"]}
