@@ -1,0 +1,103 @@
+"""placement.migrate's pure parts and placement.controller's decision, in one process.
+
+The multi-process migrations on the stacks' own code are tests/stacks/test_migrate_stacks.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from placement.controller import ReplacementController
+from placement.migrate import MAP_KIND, MigrationError, load_map, map_state, maps_from_state, plan_moves, save_map
+from placement.model import InvalidInputError
+
+
+def _apply(old: list[int], moves: list[tuple[int, int]]) -> list[int]:
+    """Slot contents after every (src, dst) copy reads the *old* slots (scratch first, then commit)."""
+    new = list(old)
+    for src, dst in moves:
+        new[dst] = old[src]
+    return new
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_turns_the_old_map_into_the_new_one_and_moves_only_what_changes(seed):
+    rng = np.random.default_rng(seed)
+    n, ep = 8, [1, 2, 4, 8][seed % 4]
+    old, new = rng.permutation(n).tolist(), rng.permutation(n).tolist()
+    moves = plan_moves(old, new, ep)
+    assert _apply(old, moves) == new
+    assert [d for _, d in moves] == sorted(d for _, d in moves)  # one order on every rank
+    assert {d for _, d in moves} == {p for p in range(n) if old[p] != new[p]}
+    per_rank = n // ep
+    cross = sum(s // per_rank != d // per_rank for s, d in moves)
+    # brute force: logical experts whose EP rank changes
+    rank_old = {e: p // per_rank for p, e in enumerate(old)}
+    rank_new = {e: p // per_rank for p, e in enumerate(new)}
+    assert cross == sum(rank_old[e] != rank_new[e] for e in range(n))
+
+
+def test_plan_refuses_what_is_not_a_permutation():
+    with pytest.raises(InvalidInputError, match="permutations"):
+        plan_moves([0, 1, 2, 2], [0, 1, 2, 3], 2)
+    with pytest.raises(InvalidInputError, match="do not split"):
+        plan_moves([0, 1, 2], [2, 1, 0], 2)
+
+
+def test_the_map_entry_round_trips_and_rejects_bad_files(tmp_path):
+    maps = {3: [1, 0, 3, 2], 1: np.array([0, 1, 2, 3])}
+    state = map_state(maps)
+    assert state["kind"] == MAP_KIND and list(state["layers"]) == ["1", "3"]
+    assert {k: v.tolist() for k, v in maps_from_state(json.loads(json.dumps(state))).items()} == {
+        1: [0, 1, 2, 3], 3: [1, 0, 3, 2]}
+    save_map(tmp_path / "map.json", maps)
+    assert load_map(tmp_path / "map.json")[3].tolist() == [1, 0, 3, 2]
+    assert [p.name for p in tmp_path.iterdir()] == ["map.json"]  # no temp file left
+    bad = dict(state, layers={"1": [0, 0, 1, 2]})
+    with pytest.raises(InvalidInputError, match=r"expert_map: layers.1: expected a permutation"):
+        maps_from_state(bad)
+    (tmp_path / "v2.json").write_text(json.dumps(dict(state, version=2)))
+    with pytest.raises(InvalidInputError, match=r"v2.json: version: expected 1"):
+        load_map(tmp_path / "v2.json")
+
+
+def test_unsupported_optimizers_are_refused_in_one_line():
+    torch = pytest.importorskip("torch")
+    from placement.migrate import _optimizer_states
+
+    class DistributedOptimizer:  # the name Megatron-Core's sharded optimizer has
+        optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+
+    with pytest.raises(MigrationError, match="DistributedOptimizer is not supported") as e:
+        _optimizer_states(DistributedOptimizer())
+    assert "\n" not in str(e.value)
+    with pytest.raises(MigrationError, match="object is not supported"):
+        _optimizer_states(object())
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    class Chained:
+        chained_optimizers = [type("Wrapper", (), {"optimizer": sgd})()]
+
+    assert _optimizer_states(Chained()) == [sgd]
+
+
+def _controller(payback: float) -> ReplacementController:
+    c = ReplacementController.__new__(ReplacementController)
+    c.layers, c.payback_within_steps = [0, 1], payback
+    return c
+
+
+def test_the_controller_applies_only_what_pays_back_in_time():
+    doc = {"moe_layers": [0, 1], "moves": {"moved_replicas": 4, "payback_steps": 30.0, "payback_steps_bytes": 5.0}}
+    assert _controller(50)._decide(doc)[0] == 1
+    code, why = _controller(10)._decide(doc)
+    assert code == 2 and "payback 30 steps > 10" in why  # the step-time payback wins over the byte one
+    bytes_only = {"moe_layers": [0, 1], "moves": {"moved_replicas": 4, "payback_steps": None, "payback_steps_bytes": 5.0}}
+    assert _controller(10)._decide(bytes_only)[0] == 1
+    assert _controller(10)._decide({"moe_layers": [0, 1], "moves": {"moved_replicas": 0}})[1] == "the answer moves nothing"
+    no_gain = {"moe_layers": [0, 1], "moves": {"moved_replicas": 2, "payback_steps": None, "payback_steps_bytes": None}}
+    assert _controller(1e9)._decide(no_gain) == (2, "no predicted gain")
+    assert "MoE layers" in _controller(1e9)._decide(dict(doc, moe_layers=[0]))[1]
