@@ -138,6 +138,10 @@ class ReplacementController:
     expert_params : parameters per routed expert (default: counted from the model's first MoE layer).
     layers : model layer index of each MoE layer of ``base`` (default ``base``'s ``moe_layers``).
     group : the EP process group for the migration (default: Megatron-Core's).
+
+    Under pipeline parallelism each stage's controller records its own routers, rank 0 solves for
+    every stage, and each rank migrates the layers its model holds (``local_layers``); the traces go
+    to ``work_dir``, which every rank must be able to write and rank 0 to read.
     """
 
     def __init__(self, model: Any, optimizer: Any, live_map: Any, *, placement: Placement,
@@ -165,6 +169,14 @@ class ReplacementController:
 
             layers = read_instance(self.base).model.moe_layers
         self.layers = [int(x) for x in layers]
+        from placement.migrate import moe_layers_of
+
+        self.local_layers = [layer for layer in moe_layers_of(model) if layer in self.layers]  # this stage's
+        if not self.local_layers:
+            raise InvalidInputError(f"layers: the model holds none of the instance's MoE layers {self.layers[:6]}")
+        if placement.phy2log.shape[0] != len(self.layers):
+            raise InvalidInputError(f"placement: phy2log: {placement.phy2log.shape[0]} MoE layers, the instance has "
+                                    f"{len(self.layers)}")
         self.expert_params = expert_params if expert_params is not None else self._count_expert_params()
         self.cycle = 0
         self.history: list[CycleLog] = []
@@ -177,8 +189,8 @@ class ReplacementController:
     def _count_expert_params(self) -> int:
         from placement.migrate import _expert_params
 
-        _, params = _expert_params(self.model, self.layers[:1])
-        slot = params[self.layers[0]][0]
+        _, params = _expert_params(self.model, self.local_layers[:1])
+        slot = params[self.local_layers[0]][0]
         return int(sum(p[0].numel() if row is not None else p.numel() for _, p, row in slot))
 
     def _routers(self) -> dict[int, Any]:
@@ -219,7 +231,7 @@ class ReplacementController:
         dist.barrier()  # every rank's trace is on disk
         answer = cdir / "answer.json"
         if self.rank == 0:
-            phy2log = np.stack([np.asarray(self.live_map.phy2log(layer), dtype=np.int64) for layer in self.layers])
+            phy2log = self.placement.phy2log  # the running maps of every stage (a stage's live map holds its own)
             request = {"stack": self.stack, "traces": sorted(str(p) for p in cdir.glob("router_trace_rank*.jsonl")),
                        "base": self.base, "rank2gpu": self.placement.rank2gpu.tolist(), "phy2log": phy2log.tolist(),
                        "time_limit_s": self.time_limit_s, "max_moved_bytes": self.max_moved_bytes,
@@ -268,7 +280,7 @@ class ReplacementController:
         if int(flag.item()) == 1 and doc is not None:
             from placement.migrate import migrate
 
-            maps = {layer: row for layer, row in zip(self.layers, doc["phy2log"])}
+            maps = {layer: row for layer, row in zip(self.layers, doc["phy2log"]) if layer in self.local_layers}
             t0 = time.perf_counter()
             report = migrate(self.model, self.optimizer, maps, live_map=self.live_map, group=self.group)
             entry.migration = {**report.to_dict(), "measured_migration_s": time.perf_counter() - t0}

@@ -72,6 +72,7 @@ __all__ = [
     "MigrationReport",
     "migrate",
     "plan_moves",
+    "moe_layers_of",
     "map_state",
     "maps_from_state",
     "save_map",
@@ -164,7 +165,20 @@ def _local(t: Any) -> Any:
 
 
 def _expert_params(model: Any, layers: Sequence[int]) -> tuple[str, dict[int, list[list[tuple[str, Any, int | None]]]]]:
-    """(stack, ``{layer: [slot i: [(name, parameter, row), ...]]}``) for this rank's local slots."""
+    """(stack, ``{layer: [slot i: [(name, parameter, row), ...]]}``) for this rank's local slots of ``layers``."""
+    stack, found = _scan(model, layers)
+    missing = sorted(set(layers) - set(found))
+    if missing:
+        raise MigrationError(f"layers {missing[:6]}: the model has no MoE layer with these indices")
+    return stack, {layer: found[layer] for layer in layers}
+
+
+def moe_layers_of(model: Any) -> list[int]:
+    """The model layer indices of the MoE layers ``model`` holds (one pipeline stage: its own)."""
+    return sorted(_scan(model, ())[1])
+
+
+def _scan(model: Any, layers: Sequence[int]) -> tuple[str, dict[int, list[list[tuple[str, Any, int | None]]]]]:
     found: dict[int, list[list[tuple[str, Any, int | None]]]] = {}
     stack = ""
     for name, module in model.named_modules():
@@ -196,12 +210,9 @@ def _expert_params(model: Any, layers: Sequence[int]) -> tuple[str, dict[int, li
             rows = int(_local(params[0][1]).shape[0])
             found[layer] = [[(w, p, i) for w, p in params] for i in range(rows)]
             stack = "torchtitan"
-    missing = sorted(set(layers) - set(found))
-    if missing:
-        raise MigrationError(f"layers {missing[:6]}: the model has no MoE layer with these indices")
     if not found:
         raise MigrationError("model: no MoE layer to migrate")
-    return stack, {layer: found[layer] for layer in layers}
+    return stack, found
 
 
 def _optimizer_states(optimizer: Any) -> list[Any]:
