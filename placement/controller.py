@@ -58,7 +58,7 @@ class CycleLog:
 
     cycle: int
     step: int
-    decision: str  # "applied", "skipped: <why>"
+    decision: str  # "applied", "skipped: <why>", "failed: <MigrationError>" (the old placement kept)
     solve: dict[str, Any] = field(default_factory=dict)  # status, objective, moved replicas/bytes, predicted times
     migration: dict[str, Any] = field(default_factory=dict)  # placement.migrate.MigrationReport.to_dict()
 
@@ -281,10 +281,16 @@ class ReplacementController:
             from placement.migrate import migrate
 
             maps = {layer: row for layer, row in zip(self.layers, doc["phy2log"]) if layer in self.local_layers}
+            from placement.migrate import MigrationError
+
             t0 = time.perf_counter()
-            report = migrate(self.model, self.optimizer, maps, live_map=self.live_map, group=self.group)
-            entry.migration = {**report.to_dict(), "measured_migration_s": time.perf_counter() - t0}
-            self.placement = Placement(self.placement.rank2gpu, np.asarray(doc["phy2log"]))
+            try:
+                report = migrate(self.model, self.optimizer, maps, live_map=self.live_map, group=self.group)
+            except MigrationError as e:  # every rank raised it; the old placement is intact
+                entry.decision = f"failed: {e}"
+            else:
+                entry.migration = {**report.to_dict(), "measured_migration_s": time.perf_counter() - t0}
+                self.placement = Placement(self.placement.rank2gpu, np.asarray(doc["phy2log"]))
         self.history.append(entry)
         s, m = entry.solve, entry.migration
         log.info("step %d: cycle %d %s; moved %s replicas (%s bytes by the move report), predicted move %.3g s, "

@@ -19,10 +19,11 @@ expert-data-parallel replicas hold the same experts and move them the same way):
    slots' state has the layout of every other rank's (names, shapes, dtypes) and that scalar state
    agrees; an all-reduce (MIN) of a status flag over the group.  A failure anywhere: every rank
    raises :class:`MigrationError`, nothing has changed.
-2. **Transfer into scratch**: one batch of point-to-point operations
-   (``torch.distributed.batch_isend_irecv``), one buffer per moved slot and dtype, in one global
-   order on every rank; slots that change slot on the same rank are copied locally.  Live tensors
-   are not touched.
+2. **Transfer into scratch**: every rank packs what it sends and allocates what it receives (one
+   buffer per moved slot and dtype, in one global order on every rank; experts that change slot on
+   the same rank are copied locally), the ranks agree that all are ready (so a rank that failed
+   posts nothing and no peer waits for it), then one batch of point-to-point operations
+   (``torch.distributed.batch_isend_irecv``).  Live tensors are not touched.
 3. **Agree again**: received buffers are checked (finite); an all-reduce of the status flag.  A
    failure on any rank: every rank drops its scratch and raises; the old placement, weights and
    optimizer state are intact and training continues on them.
@@ -452,8 +453,8 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
         if lo != hi or not all(math.isfinite(x) for x in (lo, hi)):
             raise MigrationError(f"optimizer: scalar state differs between experts ({lo} .. {hi})")
         signature = [_digest("|".join(sig_text)), struct.unpack("<q", struct.pack("<d", lo))[0], len(scalars)]
-    except (MigrationError, InvalidInputError) as e:
-        ok, error = False, str(e)
+    except Exception as e:  # every rank must reach the agreement, whatever failed
+        ok, error = False, str(e) if isinstance(e, (MigrationError, InvalidInputError)) else f"{type(e).__name__}: {e}"
     agreed = _agree(ok, group)
     agreed = _same_everywhere([int(x) for x in signature], group) and agreed
     if not agreed:
@@ -467,7 +468,6 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
     received: list[Any] = []
     ops: list[Any] = []
     sent_keep: list[Any] = []
-    t_transfer = time.perf_counter()
     try:
         with torch.no_grad():
             for layer in sorted(plans):
@@ -504,13 +504,22 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
                             peer = dist.get_global_rank(group, src_rank)
                             ops.append(dist.P2POp(dist.irecv, buf, peer, group))
                             report.received_bytes += buf.numel() * buf.element_size()
-            if ops:
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
-            report.transfer_s = time.perf_counter() - t_transfer
-            _check_received(received)
-            ok, error = True, ""
-    except (MigrationError, RuntimeError) as e:
+        ok = True
+    except Exception as e:  # as above
+        ok, error = False, f"preparing the transfer: {type(e).__name__}: {e}"
+    # every rank has its buffers and operations ready before any point-to-point operation is posted
+    # (a rank that failed posts nothing, and no peer waits for it)
+    if not _agree(ok, group):
+        raise MigrationError(error or "migrate: another EP rank failed preparing the transfer; nothing moved")
+    try:
+        t_transfer = time.perf_counter()
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        report.transfer_s = time.perf_counter() - t_transfer
+        _check_received(received)
+        ok, error = True, ""
+    except Exception as e:  # as above
         ok, error = False, f"transfer: {e}"
 
     # 3. agree again, 4. commit
