@@ -54,6 +54,7 @@ __all__ = [
     "read_instance",
     "model_from_section",
     "cluster_from_section",
+    "cluster_section",
     "write_instance",
     "read_placement",
     "write_placement",
@@ -184,8 +185,22 @@ INSTANCE_SPEC = Obj(
                     "Trays that are busy or down, as [domain, tray] pairs, each at most once.",
                     List("[domain, tray]", Int("Index.", 0), 2),
                 ),
+                "hosts": List(
+                    "Real host names (placement cluster writes them from the scheduler): one list per "
+                    "domain, its trays in order, at most trays_per_domain each; a domain with fewer hosts "
+                    "has its last tray slots empty (unavailable). Every name one token, all distinct. "
+                    "Absent: names from host_format.",
+                    List("The hosts of one domain, tray 0 first.", Str("Host name.")),
+                ),
+                "domain_names": List(
+                    "The scheduler's name of each NVLink domain (Slurm block or switch, NVLink clique), "
+                    "for rack maps and messages.",
+                    Str("Domain name."),
+                ),
             },
-            optional=frozenset({"host_format", "unavailable_gpus", "unavailable_trays"}),
+            optional=frozenset(
+                {"host_format", "unavailable_gpus", "unavailable_trays", "hosts", "domain_names"}
+            ),
         ),
         "routing": Obj(
             "Routing statistics: a .npz beside the instance with int arrays topk and heldout_topk, "
@@ -544,6 +559,10 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
                 f"GPU {g} is in tray {list(tray)}, already unavailable as cluster.unavailable_trays[{down_trays[tray]}]",
             )
     _check_host_format(where, c.get("host_format", "rack{domain:02d}-tray{tray:02d}"), c)
+    if "hosts" in c:
+        _check_hosts(where, c)
+    if "domain_names" in c and len(c["domain_names"]) != c["num_domains"]:
+        raise _fail(where, "cluster.domain_names", f"expected {c['num_domains']} names (num_domains), found {len(c['domain_names'])}")
     if "performance" in doc:
         _check_performance(doc, where)
 
@@ -621,6 +640,24 @@ def _check_host_format(where: Path, fmt: str, c: dict) -> None:
         if name in seen:
             raise _fail(where, field, f"hosts {seen[name]} and {host} get the same name {name!r}")
         seen[name] = host
+
+
+def _check_hosts(where: Path, c: dict) -> None:
+    """Real host names go into SLURM host files and launch scripts: one token each, distinct."""
+    hosts = c["hosts"]
+    if len(hosts) != c["num_domains"]:
+        raise _fail(where, "cluster.hosts", f"expected one list per domain ({c['num_domains']}), found {len(hosts)}")
+    seen: dict[str, str] = {}
+    for d, names in enumerate(hosts):
+        if len(names) > c["trays_per_domain"]:
+            raise _fail(where, f"cluster.hosts[{d}]", f"{len(names)} hosts, more than trays_per_domain={c['trays_per_domain']}")
+        for t, name in enumerate(names):
+            field = f"cluster.hosts[{d}][{t}]"
+            if not name or any(ch.isspace() or not ch.isprintable() for ch in name):
+                raise _fail(where, field, f"expected a host name without spaces or control characters, found {name!r}")
+            if name in seen:
+                raise _fail(where, field, f"host {name!r} is listed twice (also {seen[name]})")
+            seen[name] = field
 
 
 def _resolve_npz(where: Path, rel: str) -> Path:
@@ -773,6 +810,13 @@ def cluster_from_section(c: dict) -> Cluster:
     for d, t in c.get("unavailable_trays", []):
         h = d * c["trays_per_domain"] + t
         available[h * c["gpus_per_tray"] : (h + 1) * c["gpus_per_tray"]] = False
+    host_names: list[str] | None = None
+    if "hosts" in c:  # tray slots past a domain's hosts are empty: no host, no GPUs to use
+        host_names = []
+        for d, names in enumerate(c["hosts"]):
+            host_names.extend(list(names) + [""] * (c["trays_per_domain"] - len(names)))
+            first = (d * c["trays_per_domain"] + len(names)) * c["gpus_per_tray"]
+            available[first : (d + 1) * c["trays_per_domain"] * c["gpus_per_tray"]] = False
     return Cluster(
         num_domains=c["num_domains"],
         trays_per_domain=c["trays_per_domain"],
@@ -781,7 +825,40 @@ def cluster_from_section(c: dict) -> Cluster:
         nvlink_gbps=float(c["nvlink_gbps"]),
         scaleout_gbps=float(c["scaleout_gbps"]),
         host_format=c.get("host_format", "rack{domain:02d}-tray{tray:02d}"),
+        host_names=tuple(host_names) if host_names is not None else None,
+        domain_names=tuple(c["domain_names"]) if "domain_names" in c else None,
     )
+
+
+def cluster_section(c: Cluster) -> dict:
+    """The ``cluster`` section of an instance (or the cluster fields of a cluster file) for ``c``:
+    whole unavailable trays as trays, the rest as GPUs; ``hosts`` and ``domain_names`` when set."""
+    trays: list[list[int]] = []
+    gpus: list[int] = []
+    gpt = c.gpus_per_tray
+    unavailable = np.flatnonzero(~np.asarray(c.available))
+    for h in sorted({int(g) // gpt for g in unavailable}):
+        members = [h * gpt + i for i in range(gpt)]
+        if all(not c.available[g] for g in members):
+            trays.append([h // c.trays_per_domain, h % c.trays_per_domain])
+        else:
+            gpus.extend(g for g in members if not c.available[g])
+    out: dict[str, Any] = {
+        "num_domains": c.num_domains,
+        "trays_per_domain": c.trays_per_domain,
+        "gpus_per_tray": c.gpus_per_tray,
+        "nvlink_gbps": c.nvlink_gbps,
+        "scaleout_gbps": c.scaleout_gbps,
+        "host_format": c.host_format,
+        "unavailable_gpus": gpus,
+        "unavailable_trays": trays,
+    }
+    if c.host_names is not None:  # absent without real names (older files byte for byte)
+        t = c.trays_per_domain
+        out["hosts"] = [[n for n in c.host_names[d * t : (d + 1) * t] if n] for d in range(c.num_domains)]
+    if c.domain_names is not None:
+        out["domain_names"] = list(c.domain_names)
+    return out
 
 
 def read_instance(path: str | os.PathLike) -> Instance:
@@ -836,17 +913,6 @@ def read_instance(path: str | os.PathLike) -> Instance:
 def instance_document(instance: Instance, npz_name: str) -> dict:
     """The JSON document of an instance (without its arrays)."""
     m, p, c = instance.model, instance.parallel, instance.cluster
-    unavailable = [int(g) for g in np.flatnonzero(~c.available)]
-    # Express whole unavailable trays as trays, the rest as GPUs.
-    trays: list[list[int]] = []
-    gpus: list[int] = []
-    gpt = c.gpus_per_tray
-    for h in sorted({g // gpt for g in unavailable}):
-        members = [h * gpt + i for i in range(gpt)]
-        if all(not c.available[g] for g in members):
-            trays.append([h // c.trays_per_domain, h % c.trays_per_domain])
-        else:
-            gpus.extend(g for g in members if not c.available[g])
     doc = {
         "schema_version": INSTANCE_SCHEMA_VERSION,
         "name": instance.name,
@@ -880,16 +946,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             "global_batch": p.global_batch,
             **({"etp": p.etp} if p.etp != 1 else {}),  # absent means 1 (keeps older files byte for byte)
         },
-        "cluster": {
-            "num_domains": c.num_domains,
-            "trays_per_domain": c.trays_per_domain,
-            "gpus_per_tray": c.gpus_per_tray,
-            "nvlink_gbps": c.nvlink_gbps,
-            "scaleout_gbps": c.scaleout_gbps,
-            "host_format": c.host_format,
-            "unavailable_gpus": gpus,
-            "unavailable_trays": trays,
-        },
+        "cluster": cluster_section(c),
         "routing": {"file": npz_name, "generator": instance.extra.get("generator", {})},
     }
     if instance.routing.window_tokens is not None:  # absent for one window (older files byte for byte)

@@ -298,8 +298,14 @@ class Cluster:
     """NVLink domains (racks) of trays (hosts) of GPUs; some GPUs unavailable.
 
     ``available``: (num_gpus,) bool.  Host ``h = domain * trays_per_domain + tray`` has GPUs
-    ``h * gpus_per_tray ... + gpus_per_tray - 1``; its name is ``host_format`` formatted with
+    ``h * gpus_per_tray ... + gpus_per_tray - 1``; its name is ``host_names[h]`` when the cluster
+    was read from a scheduler (``placement cluster``), else ``host_format`` formatted with
     ``domain``, ``tray`` and ``host``.
+
+    ``host_names``: ``None``, or (num_domains * trays_per_domain,) real host names in host order;
+    ``""`` marks a tray slot with no host (a rack with fewer trays than the largest), whose GPUs
+    are unavailable.  ``domain_names``: ``None``, or (num_domains,) the scheduler's names of the
+    NVLink domains (Slurm blocks or switches, NVLink cliques).
     """
 
     num_domains: int
@@ -309,9 +315,23 @@ class Cluster:
     nvlink_gbps: float  # per GPU, 10^9 bytes/s
     scaleout_gbps: float  # per GPU NIC, 10^9 bytes/s, each direction
     host_format: str = "rack{domain:02d}-tray{tray:02d}"
+    host_names: tuple[str, ...] | None = None
+    domain_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "available", _frozen(np.asarray(self.available, dtype=bool)))
+        if self.host_names is not None:
+            names = tuple(str(n) for n in self.host_names)
+            if len(names) != self.num_domains * self.trays_per_domain:
+                raise InvalidInputError(
+                    f"cluster.hosts: expected {self.num_domains * self.trays_per_domain} host slots, found {len(names)}"
+                )
+            object.__setattr__(self, "host_names", names)
+        if self.domain_names is not None:
+            domains = tuple(str(n) for n in self.domain_names)
+            if len(domains) != self.num_domains:
+                raise InvalidInputError(f"cluster.domain_names: expected {self.num_domains} names, found {len(domains)}")
+            object.__setattr__(self, "domain_names", domains)
 
     @property
     def gpus_per_domain(self) -> int:
@@ -342,8 +362,23 @@ class Cluster:
         return _frozen(np.flatnonzero(self.available))
 
     def host_name(self, host: int) -> str:
+        """The name of host (tray) ``host``: its real name, else ``host_format``'s."""
+        if self.host_names is not None and self.host_names[int(host)]:
+            return self.host_names[int(host)]
         domain, tray = divmod(int(host), self.trays_per_domain)
         return self.host_format.format(domain=domain, tray=tray, host=int(host))
+
+    def domain_name(self, domain: int) -> str:
+        """The scheduler's name of NVLink domain ``domain``, else ``d<domain>``."""
+        if self.domain_names is not None:
+            return self.domain_names[int(domain)]
+        return f"d{int(domain)}"
+
+    @cached_property
+    def host_index(self) -> dict[str, int]:
+        """Host name -> host (tray) index, for every tray slot that has a host."""
+        hosts = range(self.num_domains * self.trays_per_domain)
+        return {self.host_name(h): h for h in hosts if self.host_names is None or self.host_names[h]}
 
 
 # ---------------------------------------------------------------------------------------------
