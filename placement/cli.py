@@ -147,6 +147,11 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     if args.output:
         _check_output_path(args.output)
     instance = load_instance(args.instance)
+    allocation = _allocation(args)
+    if allocation is not None:
+        from placement.api import allocate
+
+        instance = allocate(instance, allocation)
     moves_kwargs = _move_arguments(args, instance)
     # The default layout's report, for the comparison below; its time predicts the time needed
     # to score the solver's answer, which is kept back from the solver's share of the limit.
@@ -181,6 +186,8 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             raise Interrupted(stop.signum or signal.SIGINT) from None
         raise
     doc = result_document(instance, result)
+    if allocation is not None:  # which hosts the placement was solved for
+        doc["solve"]["details"]["allocation"] = {"hosts": allocation, "gpus": int(instance.cluster.available.sum())}
     interrupted = stop.event.is_set()
     signame = signal.Signals(stop.signum).name if stop.signum is not None else "a signal"
     if args.output:
@@ -240,6 +247,43 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
     if args.output:
         print(f"  wrote {args.output}")
+    return EXIT_OK
+
+
+def _allocation(args: argparse.Namespace) -> str | None:
+    """The host list of ``--allocation``: as given, or ``SLURM_JOB_NODELIST`` for ``slurm``."""
+    if args.allocation is None:
+        return None
+    if args.allocation == "slurm":
+        value = os.environ.get("SLURM_JOB_NODELIST", "").strip()
+        if not value:
+            raise InvalidInputError("--allocation slurm: SLURM_JOB_NODELIST is not set (not inside a Slurm job?)")
+        return value
+    return str(args.allocation)
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    """``placement cluster``: the cluster file from the scheduler (placement/discovery/)."""
+    from placement.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
+
+    _check_output_path(args.output)
+    links = {"nvlink_gbps": args.nvlink_gbps, "scaleout_gbps": args.scaleout_gbps, "gpu_hbm_gb": args.gpu_hbm_gb}
+    if args.hbm_reserve_gb is not None:
+        links["hbm_reserve_gb"] = args.hbm_reserve_gb
+    name = args.name or args.source
+    for flag, value in (("--nvlink-gbps", args.nvlink_gbps), ("--scaleout-gbps", args.scaleout_gbps),
+                        ("--gpu-hbm-gb", args.gpu_hbm_gb)):
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidInputError(f"{flag}: expected a positive number, found {value}")
+    if args.source == "slurm":
+        doc = cluster_from_slurm(args.inputs, name=name, gpus_per_node=args.gpus_per_node,
+                                 allow_not_responding=args.allow_not_responding, **links)
+    elif args.source == "kubernetes":
+        doc = cluster_from_kubernetes(args.inputs, name=name, down_taints=args.down_taint or (), **links)
+    else:
+        doc = cluster_from_nvidia_smi(args.inputs, name=name, **links)
+    write_cluster(args.output, doc)
+    print(f"{doc['description']}\n  wrote {args.output}")
     return EXIT_OK
 
 
@@ -380,6 +424,13 @@ def _cmd_plan(args: argparse.Namespace, started_at: float) -> int:
         raise InvalidInputError("--ray-address: only with --executor ray")
     job = read_job(args.job)
     cluster = read_cluster(args.cluster)
+    allocation = _allocation(args)
+    if allocation is not None:
+        import dataclasses
+
+        from placement.api import allocate_cluster
+
+        cluster = dataclasses.replace(cluster, cluster=allocate_cluster(cluster.cluster, allocation))
     space = parse_candidates(args.candidates) if args.candidates else None
     executor = make_executor(args.executor, workers=args.workers, address=args.ray_address)
     try:
@@ -478,6 +529,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_ALLOCATION_HELP = (
+    "only these hosts: a Slurm host list like 'gb[001-018,025]' (e.g. \"$SLURM_JOB_NODELIST\"), or 'slurm' for "
+    "SLURM_JOB_NODELIST; host names are the cluster's (cluster.hosts from placement cluster). Never implicit"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
     from placement.api import DEFAULT_SOLVER
@@ -520,6 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "worst window (robust, default), their mean, or the latest only; the guard against the "
                          "default map judges on the latest window. No effect with one window")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
+    so.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
     mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")
     mv.add_argument("--previous", metavar="OLD.json",
                     help="re-place against this placement file (same instance shape), or 'default': keep its "
@@ -595,6 +653,31 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--export", action="append", metavar="FORMAT=PATH",
                     help="also export the recommendation as placement export writes it (repeatable; needs -o)")
     pl.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    pl.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
+
+    from placement.discovery import DEFAULT_GPU_HBM_GB, DEFAULT_NVLINK_GBPS, DEFAULT_SCALEOUT_GBPS, SOURCES as CLUSTER_SOURCES
+
+    cl = sub.add_parser("cluster", help="write a cluster file from Slurm, Kubernetes or nvidia-smi (docs/formats.md)")
+    cl.add_argument("inputs", nargs="*", metavar="INPUT",
+                    help="slurm: scontrol show topology output or topology.conf, and scontrol show node output (none: "
+                         "run scontrol); kubernetes: kubectl get nodes -o json; nvidia-smi: nvidia-smi -q of each "
+                         "host as HOST=PATH or HOST.txt")
+    cl.add_argument("--from", dest="source", required=True, choices=CLUSTER_SOURCES, help="where the cluster is read")
+    cl.add_argument("-o", "--output", required=True, help="cluster JSON to write (atomically)")
+    cl.add_argument("--name", help="name of the cluster state (default: the source)")
+    cl.add_argument("--nvlink-gbps", type=float, default=DEFAULT_NVLINK_GBPS,
+                    help=f"NVLink bandwidth per GPU, 10^9 B/s (default {DEFAULT_NVLINK_GBPS:g}, GB300 NVL72)")
+    cl.add_argument("--scaleout-gbps", type=float, default=DEFAULT_SCALEOUT_GBPS,
+                    help=f"scale-out NIC bandwidth per GPU and direction, 10^9 B/s (default {DEFAULT_SCALEOUT_GBPS:g})")
+    cl.add_argument("--gpu-hbm-gb", type=float, default=DEFAULT_GPU_HBM_GB,
+                    help=f"HBM per GPU, 10^9 B (default {DEFAULT_GPU_HBM_GB:g}, GB300)")
+    cl.add_argument("--hbm-reserve-gb", type=float, default=None, help="HBM per GPU kept free (default: plan's)")
+    cl.add_argument("--gpus-per-node", type=int, default=None,
+                    help="slurm without scontrol show node output: GPUs of every node")
+    cl.add_argument("--allow-not-responding", action="store_true",
+                    help="slurm: count nodes whose slurmd does not answer (NOT_RESPONDING, *) as usable")
+    cl.add_argument("--down-taint", action="append", metavar="KEY",
+                    help="kubernetes: a NoSchedule/NoExecute taint key that also marks a node down (repeatable)")
 
     sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")
     sh.add_argument("placement", help="placement file, or 'default' (the default layout; needs -o)")
@@ -656,6 +739,8 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
             return _cmd_show(args)
         if args.command == "plan":
             return _cmd_plan(args, started_at)
+        if args.command == "cluster":
+            return _cmd_cluster(args)
         if args.command == "import":
             if args.heldout_steps is not None and args.heldout_steps < 1:
                 raise InvalidInputError(f"--heldout-steps: expected a positive integer, found {args.heldout_steps}")
