@@ -109,14 +109,21 @@ def cluster_from_kubernetes(
 
 def cluster_from_nvidia_smi(inputs: Sequence[str | os.PathLike[str]], *, name: str = "nvidia-smi", **links: Any) -> dict[str, Any]:
     """The cluster file's document from ``nvidia-smi -q`` outputs, one per host: ``HOST=PATH``, or
-    a path whose file name without extension is the host name."""
+    a path whose file name without extension is the host name; or ``pdsh``/``clush`` outputs of
+    several hosts (every line prefixed ``host: ``)."""
     if not inputs:
         raise InvalidInputError("nvidia-smi: give one 'nvidia-smi -q' output per host (HOST=PATH or HOST.txt)")
+    from placement.discovery.nvidia_smi import split_pdsh
+
     triples = []
     for item in inputs:
         text = str(item)
         host, eq, path = text.partition("=")
         if not eq:
+            pdsh = split_pdsh(text, read_text(text))
+            if pdsh is not None:
+                triples.extend(pdsh)
+                continue
             host, path = Path(text).name.split(".", 1)[0], text
         if not host:
             raise InvalidInputError(f"nvidia-smi: {text!r}: no host name")

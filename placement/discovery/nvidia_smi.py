@@ -14,7 +14,8 @@ on NVLink-fabric systems (GB200/GB300)::
 The GPUs of one NVLink domain share ClusterUUID and CliqueId.  A GPU whose fabric ``State`` is not
 ``Completed`` or whose ``Status`` is not ``Success`` is unusable (its fabric registration has not
 finished or failed).  The output carries no host name: each input is ``HOST=PATH``, or a file
-named after its host (``gb001.txt`` -> ``gb001``).  A host whose GPUs disagree on the clique, or
+named after its host (``gb001.txt`` -> ``gb001``), or one ``pdsh -w HOSTS nvidia-smi -q`` output
+whose lines carry a ``host: `` prefix.  A host whose GPUs disagree on the clique, or
 with a GPU without a Fabric section, is an error naming the host and line.
 """
 
@@ -25,7 +26,7 @@ import re
 from placement.discovery.common import Discovered, natural_key
 from placement.model import InvalidInputError
 
-__all__ = ["parse_nvidia_smi"]
+__all__ = ["parse_nvidia_smi", "split_pdsh"]
 
 _GPU = re.compile(r"^GPU [0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]\s*$")
 _FIELD = re.compile(r"^(\s*)([^:]+?)\s*:\s*(.*?)\s*$")
@@ -59,6 +60,27 @@ def _gpu_sections(host: str, label: str, text: str) -> list[tuple[int, dict[str,
     return out
 
 
+_PDSH = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*): ?(.*)$")
+
+
+def split_pdsh(label: str, text: str) -> list[tuple[str, str, str]] | None:
+    """``pdsh -w HOSTS nvidia-smi -q`` (or clush) output, each line prefixed ``host: ``, as
+    ``(host, label, text)`` per host in order of first appearance; ``None`` when ``text`` is not
+    prefixed so (a plain ``nvidia-smi -q``)."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if not first or _GPU.match(first) or first.startswith("=") or not _PDSH.match(first):
+        return None
+    per: dict[str, list[str]] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        m = _PDSH.match(line)
+        if not m:
+            raise InvalidInputError(f"{label}:{n}: expected a 'host: ' prefix as on every other line, found {line[:60]!r}")
+        per.setdefault(m.group(1), []).append(m.group(2))
+    return [(host, f"{label} ({host})", "\n".join(lines)) for host, lines in per.items()]
+
+
 def parse_nvidia_smi(texts: list[tuple[str, str, str]]) -> Discovered:
     """A :class:`Discovered` cluster from ``(host, label, text)`` triples of ``nvidia-smi -q``."""
     cliques: dict[tuple[str, int], list[str]] = {}
@@ -74,6 +96,8 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]]) -> Discovered:
             for key in ("ClusterUUID", "CliqueId", "State"):
                 if key not in fab:
                     raise InvalidInputError(f"{where}: Fabric {key} missing (no NVLink fabric, or truncated?)")
+            if fab["State"] == "N/A" or fab["CliqueId"] == "N/A":
+                raise InvalidInputError(f"{where}: Fabric State {fab['State']}, CliqueId {fab['CliqueId']}: not on an NVLink fabric")
             if not fab["CliqueId"].isdigit():
                 raise InvalidInputError(f"{where}: Fabric CliqueId {fab['CliqueId']!r} is not a number")
             if fab["State"] not in ("Completed", "In Progress", "Not Started", "Not Supported"):
