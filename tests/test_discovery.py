@@ -380,3 +380,23 @@ def test_bad_hosts_in_a_cluster_file(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps(doc))
     with pytest.raises(InvalidInputError, match=r"hosts\[3\]\[4\]"):
         read_cluster(tmp_path / "c.json")
+
+
+def test_plan_for_an_allocation_writes_only_allocated_hosts(tmp_path, capsys):
+    from tests.test_plan import _cluster_doc, _job_doc, _write
+
+    # tiny's cluster (5 domains x 2 trays x 2 GPUs, tray [3, 1] down) with real names; allocate 16 GPUs
+    cdoc = _cluster_doc(hosts=[[f"n{d}a", f"n{d}b"] for d in range(5)], domain_names=[f"blk{d}" for d in range(5)])
+    job, cluster = _write(tmp_path, "job.json", _job_doc()), _write(tmp_path, "cluster.json", cdoc)
+    out = tmp_path / "p.json"
+    alloc = "n[0-2]a,n[0-2]b,n3a,n4a"
+    rc = main(["plan", str(job), "--cluster", str(cluster), "--candidates", "tp=1 pp=1,2 vpp=1 ep=4,8 dp=4,8 mb=1",
+               "--time-limit", "60", "--workers", "1", "--allocation", alloc, "-o", str(out),
+               "--export", f"slurm={tmp_path / 'job.hosts'}"])
+    assert rc == 0, capsys.readouterr().err
+    used = set((tmp_path / "job.hosts").read_text().split())
+    assert used <= set(expand_hostlist(alloc)) and used
+    inst = json.loads((tmp_path / "p.instance.json").read_text())
+    assert inst["cluster"]["hosts"] == cdoc["hosts"] and inst["cluster"]["domain_names"] == cdoc["domain_names"]
+    assert main(["plan", str(job), "--cluster", str(cluster), "--allocation", "n9a", "--time-limit", "5"]) == 2
+    assert "'n9a'" in capsys.readouterr().err
