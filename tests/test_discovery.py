@@ -400,3 +400,63 @@ def test_plan_for_an_allocation_writes_only_allocated_hosts(tmp_path, capsys):
     assert inst["cluster"]["hosts"] == cdoc["hosts"] and inst["cluster"]["domain_names"] == cdoc["domain_names"]
     assert main(["plan", str(job), "--cluster", str(cluster), "--allocation", "n9a", "--time-limit", "5"]) == 2
     assert "'n9a'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Fuzz: any damage to a valid text is read or refused with InvalidInputError, nothing else
+
+_SLURM_TEXTS = (BLOCK_TOPOLOGY, _nodes(20, gres={}))
+
+
+@settings(max_examples=150, deadline=None)
+@given(which=st.integers(0, 1), cut=st.floats(0, 1), at=st.floats(0, 1),
+       junk=st.text(alphabet="=[]-,+*: \n\tgb0193ABCDEFGHIJKLMNOPQRSTUVWXYZ()", max_size=8))
+def test_fuzz_slurm_texts(which, cut, at, junk):
+    texts = [BLOCK_TOPOLOGY.replace("gb[037-053]", "gb[037-040]").replace("gb[019-036]", "gb[019-020]").replace(
+        "gb[001-018]", "gb[001-018]"), _nodes(40, states={"gb003": "DOWN"})]
+    t = texts[which]
+    t = t[: int(len(t) * (0.5 + cut / 2))]
+    i = int(len(t) * at)
+    texts[which] = t[:i] + junk + t[i:]
+    try:
+        cluster_document(parse_slurm([("topo", texts[0]), ("nodes", texts[1])]), name="f")
+    except InvalidInputError:
+        pass
+
+
+_K8S_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 9) | st.text(max_size=6) | st.just(f"{UUID_A}.1"),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(["key", "effect", "type", "status", "name"]), kids, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(path=st.sampled_from([("metadata",), ("metadata", "labels"), ("metadata", "name"), ("spec",), ("spec", "taints"),
+                             ("status",), ("status", "conditions"), ("status", "capacity"), ("status", "allocatable"),
+                             ("metadata", "labels", "nvidia.com/gpu.clique"), ("metadata", "labels", "nvidia.com/gpu.count")]),
+       value=_K8S_VALUES)
+def test_fuzz_kubernetes_nodes(path, value):
+    nodes = [_k8s_node(f"node-{i}", f"{UUID_A}.1") for i in range(3)]
+    node = nodes[1]
+    node.setdefault("spec", {})
+    cur = node
+    for key in path[:-1]:
+        cur = cur[key]
+    cur[path[-1]] = value
+    try:
+        cluster_document(parse_kubernetes([("k.json", _k8s(nodes))]), name="f")
+    except InvalidInputError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(cut=st.floats(0, 1), at=st.floats(0, 1), junk=st.text(alphabet=" :\nGPU0Fabric.StateCompleted-N/A1", max_size=10))
+def test_fuzz_nvidia_smi(cut, at, junk):
+    t = _smi(UUID_A, 1)
+    t = t[: int(len(t) * (0.3 + 0.7 * cut))]
+    i = int(len(t) * at)
+    try:
+        cluster_document(parse_nvidia_smi([("gb001", "gb001.txt", t[:i] + junk + t[i:])]), name="f")
+    except InvalidInputError:
+        pass

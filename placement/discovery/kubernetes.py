@@ -29,9 +29,21 @@ GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 _LIFECYCLE_TAINTS = ("node.kubernetes.io/", "node.cloudprovider.kubernetes.io/shutdown")
 
 
+def _obj(where: str, value: Any, field: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{where}: {field or 'node'}: expected an object, found {type(value).__name__}")
+    return value
+
+
+def _list(where: str, value: Any, field: str) -> list:
+    if not isinstance(value, list):
+        raise InvalidInputError(f"{where}: {field}: expected a list, found {type(value).__name__}")
+    return value
+
+
 def _count(where: str, value: Any) -> int:
     text = str(value)
-    if not text.isdigit():
+    if isinstance(value, bool) or not text.isdigit():
         raise InvalidInputError(f"{where}: expected a GPU count, found {text!r}")
     return int(text)
 
@@ -52,18 +64,17 @@ def parse_kubernetes(texts: list[tuple[str, str]], *, down_taints: tuple[str, ..
             raise InvalidInputError(f"{label}: items: expected the list of kubectl get nodes -o json")
         for i, node in enumerate(items):
             where = f"{label}: items[{i}]"
-            try:
-                name = node["metadata"]["name"]
-                labels = node["metadata"].get("labels") or {}
-                spec = node.get("spec") or {}
-                status = node.get("status") or {}
-            except (KeyError, TypeError, AttributeError):
-                raise InvalidInputError(f"{where}: expected metadata.name") from None
+            meta = _obj(where, node, "")
+            meta = _obj(where, meta.get("metadata"), "metadata")
+            name = meta.get("name")
             if not isinstance(name, str) or not name:
                 raise InvalidInputError(f"{where}: metadata.name: expected a node name")
             where = f"{label}: node {name}"
-            capacity = (status.get("capacity") or {}).get("nvidia.com/gpu")
-            allocatable = (status.get("allocatable") or {}).get("nvidia.com/gpu")
+            labels = _obj(where, meta.get("labels") or {}, "metadata.labels")
+            spec = _obj(where, node.get("spec") or {}, "spec")
+            status = _obj(where, node.get("status") or {}, "status")
+            capacity = _obj(where, status.get("capacity") or {}, "status.capacity").get("nvidia.com/gpu")
+            allocatable = _obj(where, status.get("allocatable") or {}, "status.allocatable").get("nvidia.com/gpu")
             if GPU_COUNT_LABEL in labels:
                 n = _count(f"{where}: label {GPU_COUNT_LABEL}", labels[GPU_COUNT_LABEL])
             elif capacity is not None:
@@ -85,12 +96,14 @@ def parse_kubernetes(texts: list[tuple[str, str]], *, down_taints: tuple[str, ..
             why: list[str] = []
             if spec.get("unschedulable") is True:
                 why.append("unschedulable")
-            ready = [c for c in status.get("conditions") or [] if isinstance(c, dict) and c.get("type") == "Ready"]
+            conditions = [_obj(where, c, "status.conditions[]") for c in _list(where, status.get("conditions") or [], "status.conditions")]
+            ready = [c for c in conditions if c.get("type") == "Ready"]
             if ready and ready[0].get("status") != "True":
                 why.append(f"Ready={ready[0].get('status')}")
             if allocatable is not None and _count(f"{where}: status.allocatable nvidia.com/gpu", allocatable) < n:
                 why.append(f"{allocatable} of {n} GPUs allocatable")
-            for taint in spec.get("taints") or []:
+            for taint in _list(where, spec.get("taints") or [], "spec.taints"):
+                taint = _obj(where, taint, "spec.taints[]")
                 key, effect = str(taint.get("key", "")), str(taint.get("effect", ""))
                 if effect in ("NoSchedule", "NoExecute") and (key.startswith(_LIFECYCLE_TAINTS) or key in down_taints):
                     why.append(f"taint {key}:{effect}")
