@@ -63,6 +63,13 @@ BlockName=b2 BlockIndex=1 Nodes=gb[019-036] BlockSize=18
 BlockName=b3 BlockIndex=2 Nodes=gb[037-053] BlockSize=18
 """
 
+# scontrol show topology of Slurm 25.x with BlockSizes=18,36: the base blocks, then the aggregated
+# blocks (src/plugins/topology/block/topology_block.c @284c3b9, _print_topo_record)
+BLOCK_TOPOLOGY_AGGREGATED = BLOCK_TOPOLOGY + """\
+BlockName=b4 BlockIndex=3 BlockSize=18
+AggregatedBlock=b1,b2 BlockIndex=4 Nodes=gb[001-036] BlockSize=36
+"""
+
 BLOCK_CONF = """\
 # topology.conf for topology/block: one block per NVL72 rack
 BlockName=b1 Nodes=gb[001-018]
@@ -102,7 +109,8 @@ def _doc(texts: list[tuple[str, str]], **kw) -> dict:
     return cluster_document(parse_slurm(texts, **kw), name="t")
 
 
-@pytest.mark.parametrize("topology", [BLOCK_TOPOLOGY, BLOCK_CONF], ids=["scontrol", "topology.conf"])
+@pytest.mark.parametrize("topology", [BLOCK_TOPOLOGY, BLOCK_CONF, BLOCK_TOPOLOGY_AGGREGATED],
+                         ids=["scontrol", "topology.conf", "scontrol-aggregated"])
 def test_slurm_block_topology_and_node_states(topology):
     doc = _doc([("topo", topology), ("nodes", _nodes())])
     assert (doc["num_domains"], doc["trays_per_domain"], doc["gpus_per_tray"]) == (3, 18, 4)
@@ -163,10 +171,11 @@ def _write(tmp_path, name: str, text: str) -> str:
         (BLOCK_TOPOLOGY, _nodes(52), "gb053"),  # a block's node missing from scontrol show node
         (BLOCK_TOPOLOGY + "BlockName=b4 BlockIndex=3 Nodes=gb[050-053] BlockSize=18\n", _nodes(), "gb050"),  # in two blocks
         ("", _nodes(), "topo.txt"),  # empty topology
+        (BLOCK_TOPOLOGY.replace(" BlockSize=18\n", "\n", 1), _nodes(), "topo.txt:1"),  # cut before BlockSize
         (BLOCK_TOPOLOGY, _nodes().replace("Gres=gpu:gb300:4(S:0-1)", "Gres=gpu:gb300:x", 1), "gb001"),
     ],
     ids=["unknown-state", "truncated-nodes", "host-in-no-block", "truncated-topology", "node-missing", "two-blocks",
-         "empty", "bad-gres"],
+         "empty", "cut-before-blocksize", "bad-gres"],
 )
 def test_bad_slurm_output_exits_2_naming_the_host_or_line(tmp_path, capsys, topology, nodes, needle):
     out = tmp_path / "c.json"

@@ -5,14 +5,16 @@ NVLink domains are the topology's racks:
 - ``topology/block`` (Slurm 23.11 and later, the plugin for NVL72 racks): one domain per block.
   ``scontrol show topology`` prints ``BlockName=b1 BlockIndex=0 Nodes=gb[001-018] BlockSize=18``
   per block; ``topology.conf`` has ``BlockName=b1 Nodes=gb[001-018]`` lines and ``BlockSizes=18``.
-  The block size (the first of ``BlockSizes``) is the trays per domain.
+  The block size (the first of ``BlockSizes``) is the trays per domain.  ``AggregatedBlock=`` lines
+  (higher-level blocks of several base blocks) are checked and skipped.  The printed format is
+  Slurm's ``_print_topo_record`` (``src/plugins/topology/block/topology_block.c`` @284c3b9).
 - ``topology/tree``: one domain per leaf switch (a ``SwitchName`` line with ``Nodes`` and no
   ``Switches``): ``SwitchName=rack00 Level=0 LinkSpeed=1 Nodes=gb[001-018]``.
 
 ``scontrol show node`` gives each node's ``State`` and ``Gres`` (``gpu:4``, ``gpu:gb200:4(S:0-1)``).
 A node is unusable when its state's base or any flag says so (DOWN, DRAIN, DRAINED, DRAINING,
 FAIL, FAILING, ERROR, FUTURE, MAINT, NOT_RESPONDING or a ``*`` suffix, POWERED_DOWN, POWERING_DOWN,
-REBOOT_REQUESTED, REBOOT_ISSUED, INVALID_REG, BLOCKED); IDLE, ALLOCATED, MIXED, COMPLETING,
+REBOOT_REQUESTED, REBOOT_ISSUED, INVALID_REG, BLOCKED, EXTERNAL); IDLE, ALLOCATED, MIXED, COMPLETING,
 RESERVED, PLANNED and UNKNOWN (the controller has not heard from it since it started) are
 usable: the allocation (``placement solve --allocation``) says which of them the job has.  Any
 other state word is an error naming the node and line, as is a node with GPUs that is in no block
@@ -46,7 +48,7 @@ UNUSABLE_STATES = frozenset({
     "DOWN", "DRAIN", "DRAINED", "DRAINING", "DRNG", "DRAIN_MAINT", "FAIL", "FAILING", "ERROR", "FUTURE",
     "FUTR", "MAINT", "MAINTENANCE", "NOT_RESPONDING", "NO_RESPOND", "POWERED_DOWN", "POWER_DOWN",
     "POWERING_DOWN", "POWERED_OFF", "REBOOT_REQUESTED", "REBOOT_ISSUED", "REBOOT", "INVALID_REG", "INVAL",
-    "BLOCKED", "DYNAMIC_FUTURE",
+    "BLOCKED", "DYNAMIC_FUTURE", "EXTERNAL",
 })
 _SUFFIXES = "*~#!%$@^-"  # sinfo-style state suffixes; '*' = not responding
 
@@ -133,9 +135,17 @@ def _parse_topology(label: str, text: str) -> tuple[list[tuple[str, list[str]]],
         kv = _pairs(line)
         where = f"{label}:{n}"
         try:
+            if "aggregatedblock" in kv:  # a higher-level block (BlockSizes beyond the first): its
+                expand_hostlist(kv.get("nodes", ""))  # base blocks are the domains; checked, skipped
+                continue
             if "blockname" in kv:
+                printed = "blockindex" in kv  # scontrol prints BlockSize last on every block line
+                if printed and "blocksize" not in kv:
+                    raise InvalidInputError(f"{where}: block {kv['blockname']!r} without BlockSize= (truncated?)")
                 if "nodes" not in kv:
-                    raise InvalidInputError(f"{where}: block {kv['blockname']!r} without Nodes= (truncated?)")
+                    if printed:
+                        continue  # a block without nodes (scontrol omits Nodes=)
+                    raise InvalidInputError(f"{where}: block {kv['blockname']!r} without Nodes=")
                 hosts = expand_hostlist(kv["nodes"])
                 index = kv.get("blockindex", str(len(blocks)))
                 if not index.isdigit():
@@ -159,7 +169,9 @@ def _parse_topology(label: str, text: str) -> tuple[list[tuple[str, list[str]]],
                     raise InvalidInputError(f"{where}: switch {kv['switchname']!r} has neither Nodes= nor Switches= (truncated?)")
                 leaves.append((kv["switchname"], expand_hostlist(kv["nodes"])))
             else:
-                raise InvalidInputError(f"{where}: expected BlockName=, BlockSizes= or SwitchName=, found {line.strip()[:60]!r}")
+                raise InvalidInputError(
+                    f"{where}: expected BlockName=, AggregatedBlock=, BlockSizes= or SwitchName=, found {line.strip()[:60]!r}"
+                )
         except InvalidInputError as exc:
             msg = str(exc)
             raise InvalidInputError(msg if msg.startswith(where) else f"{where}: {msg}") from None
