@@ -2,8 +2,8 @@
 discovery (GFD).
 
 Per node (``items[]``): ``metadata.name``; the label ``nvidia.com/gpu.clique`` =
-``<ClusterUUID>.<CliqueId>`` (the NVLink fabric's cluster UUID and clique id: one clique is one
-NVLink domain); GPUs from the label ``nvidia.com/gpu.count``, else ``status.capacity`` /
+``<ClusterUUID>.<CliqueId>`` (the NVLink fabric's cluster UUID and decimal clique id: one clique is
+one NVLink domain; ``internal/lm/imex.go``, NVIDIA/k8s-device-plugin @1b826ac); GPUs from the label ``nvidia.com/gpu.count``, else ``status.capacity`` /
 ``status.allocatable`` ``nvidia.com/gpu``.  A node is unusable when ``spec.unschedulable`` is
 true, its ``Ready`` condition is not ``True``, its allocatable GPUs are fewer than its GPUs (the
 device plugin withdrew an unhealthy one; which one is not said, so the tray), or it has a
