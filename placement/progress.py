@@ -1,8 +1,9 @@
 """Progress of long work on a terminal: the one mechanism every command shares.
 
-The library never prints: a long routine takes an optional callback (``on_progress(n)``, called
-with the amount of work just finished) and the command line opens a bar with :func:`progress` and
-passes the bar's :meth:`Progress.update` as that callback.
+The library never prints: a long routine takes an optional callback (``on_progress(done, total)``,
+a :data:`ProgressCallback`, called in the calling process as work finishes) and the command line
+opens a bar with :func:`progress` and passes the bar's :meth:`Progress.report` as that callback
+(or calls :meth:`Progress.update` with the work just finished).
 
 A bar is drawn (by tqdm, on standard error) only when standard error is a terminal and the command
 was not told to be quiet.  The environment variable ``PLACEMENT_PROGRESS`` overrides the terminal
@@ -34,8 +35,8 @@ __all__ = ["ENV_VAR", "Progress", "ProgressCallback", "progress", "progress_enab
 ENV_VAR = "PLACEMENT_PROGRESS"
 """``1`` forces bars on (even into a pipe), ``0`` forces them off; unset: on a terminal only."""
 
-ProgressCallback = Callable[[int], None]
-"""Called with the amount of work just finished (layers, candidates, bytes)."""
+ProgressCallback = Callable[[int, int], None]
+"""``on_progress(done, total)``: work finished so far and work expected (layers, candidates, bytes)."""
 
 
 def progress_enabled(*, quiet: bool = False, stream: TextIO | None = None) -> bool:
@@ -93,6 +94,13 @@ class Progress:
         self.n += n
         if self._bar is not None:
             self._bar.update(n)
+
+    def report(self, done: int, total: int | None = None) -> None:
+        """Work finished so far (and, when given, expected): a :data:`ProgressCallback`."""
+        if total is not None and total != self.total:
+            self.set_total(total)
+        if done != self.n:
+            self.update(done - self.n)
 
     def set_total(self, total: int | None) -> None:
         """Change the work expected (known only once the work is under way, e.g. a file's size)."""

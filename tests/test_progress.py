@@ -53,3 +53,14 @@ def test_a_quiet_bar_draws_nothing_and_still_counts(monkeypatch: pytest.MonkeyPa
         bar.write("not shown")
     assert out.getvalue() == ""
     assert (bar.n, bar.total, bar.active) == (2000, 2000, False)
+
+
+def test_report_takes_absolute_figures_as_library_callbacks_give_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "1")
+    out = io.StringIO()
+    with progress(None, "plan: candidates", "candidate", stream=out) as bar:
+        bar.report(2, 10)
+        bar.report(7, 10)
+        bar.report(7, 12)  # the total may change as the work learns more
+    assert (bar.n, bar.total) == (7, 12)
+    assert "7/12" in out.getvalue()
