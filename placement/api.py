@@ -249,6 +249,7 @@ def solve(
     objective: Objective = "step_time",
     layout: LayoutMode = "optimize",
     progress: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     started_at: float | None = None,
     stop_event: threading.Event | None = None,
     finish_reserve_s: float | None = None,
@@ -283,6 +284,9 @@ def solve(
         ``bottleneck`` (slowest stage's busiest NIC).
     layout : ``optimize`` the rank -> GPU map, or keep the default one (``fixed``).
     progress : called with one-line progress messages (never printed by the library).
+    on_progress : called with ``(MoE layers whose expert map is finished, MoE layers to place)`` as
+        layers finish (``cpsat``; a :data:`placement.progress.ProgressCallback`, e.g. a bar's
+        ``report``); it only observes, the placement does not depend on it.
     started_at : ``time.monotonic()`` instant the budget started (default: now).
     stop_event : when set (by another thread, a signal handler), the solver returns the best
         placement found so far; ``details["interrupted"]`` is then True.
@@ -356,6 +360,7 @@ def solve(
         # May already have passed (loading ate the budget): solvers then return what they have.
         deadline=start + time_limit_s - reserve,
         progress=progress,
+        on_progress=on_progress,
         stop_event=stop_event,
         moves=move_request,
         fit=fit,
@@ -623,6 +628,7 @@ def import_routing(
     heldout_steps: int | None = None,
     max_tokens_per_source: int | None = None,
     windows: int = 1,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Instance:
     """An instance whose routing windows come from a stack's recorded traces.
 
@@ -641,6 +647,8 @@ def import_routing(
         (default :data:`placement.importers.DEFAULT_MAX_TOKENS_PER_SOURCE`).
     windows : cut the fit steps into this many time-ordered sampled windows
         (``routing.window_tokens``, what ``solve(fit=...)`` weighs); 1 = one sampled window.
+    on_progress : called with ``(bytes of trace files read, bytes of all trace files)`` as they are
+        scanned (a :data:`placement.progress.ProgressCallback`); it only observes.
 
     Returns
     -------
@@ -667,6 +675,7 @@ def import_routing(
         heldout_steps=heldout_steps,
         max_tokens_per_source=DEFAULT_MAX_TOKENS_PER_SOURCE if max_tokens_per_source is None else max_tokens_per_source,
         windows=windows,
+        on_progress=on_progress,
     )
 
 

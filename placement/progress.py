@@ -115,8 +115,9 @@ class Progress:
             self._bar.write(message, file=self._stream)
 
     def close(self) -> None:
-        """Remove the bar from the terminal (idempotent)."""
+        """Draw the final figures, then remove the bar from the terminal (idempotent)."""
         if self._bar is not None:
+            self._bar.refresh()  # the final figures, whatever the refresh interval skipped
             self._bar.close()
             self._bar = None
 

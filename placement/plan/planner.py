@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -213,6 +213,7 @@ def plan(
     prune: bool = True,
     routing: tuple[np.ndarray, np.ndarray] | None = None,
     started_at: float | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> PlanResult:
     """Choose the job's parallel layout and placement for the cluster's free GPUs.
 
@@ -230,6 +231,9 @@ def plan(
         allows; the tests check that pruning never changes the recommendation).
     routing : ``(fit, heldout)`` base routing arrays (L, S, T, k) instead of the job's source.
     started_at : ``time.monotonic()`` instant the budget started (default: now).
+    on_progress : called with ``(work items settled, work items)`` as rounds end (an item is settled
+        when scored, solved, pruned or left to the budget; a
+        :data:`placement.progress.ProgressCallback`); it only observes, the plan does not depend on it.
 
     Raises
     ------
@@ -296,6 +300,11 @@ def plan(
     best = -math.inf
     pruned = unsolved = 0
     deadline_hit = False
+    n_items = 2 * len(items1)  # phase 2 has one solve per phase-1 item
+
+    def settled() -> None:
+        if on_progress is not None:
+            on_progress(min(n_items, len(results) + pruned + unsolved), n_items)
 
     def budget_for(n_left: int) -> float | None:
         if remaining - overhead_s < b_min:
@@ -313,6 +322,7 @@ def plan(
             results.append((c, m, b, res))
             for v in res.variants:
                 best = max(best, float(v.figures["predicted_job_tokens_per_s"]))
+        settled()
         return True
 
     scored: dict[tuple[str, str], float] = {}  # (key, phase-1 method) -> predicted job tokens/s
@@ -381,6 +391,7 @@ def plan(
     finally:
         if own:
             ex.close()
+    settled()
     items = items1 + items2
 
     rows: list[PlanRow] = []
