@@ -242,6 +242,7 @@ def solve(
     *,
     solver: str = DEFAULT_SOLVER,
     time_limit_s: float = 60.0,
+    wall_limit_s: float | None = None,
     seed: int = 0,
     num_workers: int | None = None,
     consumer: Consumer = "none",
@@ -269,6 +270,11 @@ def solve(
     solver : a name from :func:`solver_names`.
     time_limit_s : wall-clock budget of the whole call, counted from ``started_at``; the solver
         works for :func:`solver_budget_s` and returns by the wall deadline at the latest.
+    wall_limit_s : the wall-clock safety net when it should differ from ``time_limit_s`` (default:
+        ``time_limit_s``): the call returns by ``started_at + wall_limit_s`` while its work is still
+        sized by ``time_limit_s`` alone (:func:`solver_budget_s`).  ``placement.plan`` gives its
+        solves a net a few times their budget, so that a loaded machine does not cut them; when the
+        net does cut some work, ``SolveResult.wall_clock_cut`` says so.
     seed : random seed in ``[0, MAX_SEED]``; the same instance, seed and options give the same
         placement when the solver finishes before its deadline.
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
@@ -331,6 +337,9 @@ def solve(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
     )
     from solvers.base import FITS
+    if wall_limit_s is not None and (isinstance(wall_limit_s, bool) or not isinstance(wall_limit_s, (int, float))
+                                     or not (math.isfinite(wall_limit_s) and wall_limit_s > 0)):
+        raise InvalidInputError(f"wall_limit_s: expected a positive, finite number of seconds, found {wall_limit_s!r}")
 
     if not isinstance(fit, str) or fit not in FITS:
         raise InvalidInputError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
@@ -358,7 +367,7 @@ def solve(
         objective=objective,
         layout=layout,
         # May already have passed (loading ate the budget): solvers then return what they have.
-        deadline=start + time_limit_s - reserve,
+        deadline=start + (time_limit_s if wall_limit_s is None else wall_limit_s) - reserve,
         progress=progress,
         on_progress=on_progress,
         stop_event=stop_event,

@@ -209,6 +209,9 @@ class SolveResult:
     consumer: Consumer = "none"
     metrics: dict = field(default_factory=dict)  # the evaluator's report, filled by placement.api.solve
     wall_s: float = 0.0  # wall time of the whole solve call, filled by placement.api.solve
+    # The wall-clock safety net (or a stop request) ended some of the work, so the placement may
+    # depend on the machine's speed.  A wall-clock fact: never written into a placement file.
+    wall_clock_cut: bool = field(default=False, compare=False)
 
     @property
     def gap(self) -> float | None:
