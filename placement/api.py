@@ -252,6 +252,7 @@ def solve(
     *,
     solver: str = DEFAULT_SOLVER,
     time_limit_s: float = 60.0,
+    wall_limit_s: float | None = None,
     seed: int = 0,
     num_workers: int | None = None,
     consumer: Consumer = "none",
@@ -259,6 +260,7 @@ def solve(
     objective: Objective = "step_time",
     layout: LayoutMode = "optimize",
     progress: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     started_at: float | None = None,
     stop_event: threading.Event | None = None,
     finish_reserve_s: float | None = None,
@@ -278,6 +280,11 @@ def solve(
     solver : a name from :func:`solver_names`.
     time_limit_s : wall-clock budget of the whole call, counted from ``started_at``; the solver
         works for :func:`solver_budget_s` and returns by the wall deadline at the latest.
+    wall_limit_s : the wall-clock safety net when it should differ from ``time_limit_s`` (default:
+        ``time_limit_s``): the call returns by ``started_at + wall_limit_s`` while its work is still
+        sized by ``time_limit_s`` alone (:func:`solver_budget_s`).  ``placement.plan`` gives its
+        solves a net a few times their budget, so that a loaded machine does not cut them; when the
+        net does cut some work, ``SolveResult.wall_clock_cut`` says so.
     seed : random seed in ``[0, MAX_SEED]``; the same instance, seed and options give the same
         placement when the solver finishes before its deadline.
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
@@ -293,6 +300,9 @@ def solve(
         ``bottleneck`` (slowest stage's busiest NIC).
     layout : ``optimize`` the rank -> GPU map, or keep the default one (``fixed``).
     progress : called with one-line progress messages (never printed by the library).
+    on_progress : called with ``(MoE layers whose expert map is finished, MoE layers to place)`` as
+        layers finish (``cpsat``; a :data:`placement.progress.ProgressCallback`, e.g. a bar's
+        ``report``); it only observes, the placement does not depend on it.
     started_at : ``time.monotonic()`` instant the budget started (default: now).
     stop_event : when set (by another thread, a signal handler), the solver returns the best
         placement found so far; ``details["interrupted"]`` is then True.
@@ -337,6 +347,9 @@ def solve(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
     )
     from solvers.base import FITS
+    if wall_limit_s is not None and (isinstance(wall_limit_s, bool) or not isinstance(wall_limit_s, (int, float))
+                                     or not (math.isfinite(wall_limit_s) and wall_limit_s > 0)):
+        raise InvalidInputError(f"wall_limit_s: expected a positive, finite number of seconds, found {wall_limit_s!r}")
 
     if not isinstance(fit, str) or fit not in FITS:
         raise InvalidInputError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
@@ -364,8 +377,9 @@ def solve(
         objective=objective,
         layout=layout,
         # May already have passed (loading ate the budget): solvers then return what they have.
-        deadline=start + time_limit_s - reserve,
+        deadline=start + (time_limit_s if wall_limit_s is None else wall_limit_s) - reserve,
         progress=progress,
+        on_progress=on_progress,
         stop_event=stop_event,
         moves=move_request,
         fit=fit,
@@ -633,6 +647,7 @@ def import_routing(
     heldout_steps: int | None = None,
     max_tokens_per_source: int | None = None,
     windows: int = 1,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Instance:
     """An instance whose routing windows come from a stack's recorded traces.
 
@@ -651,6 +666,8 @@ def import_routing(
         (default :data:`placement.importers.DEFAULT_MAX_TOKENS_PER_SOURCE`).
     windows : cut the fit steps into this many time-ordered sampled windows
         (``routing.window_tokens``, what ``solve(fit=...)`` weighs); 1 = one sampled window.
+    on_progress : called with ``(bytes of trace files read, bytes of all trace files)`` as they are
+        scanned (a :data:`placement.progress.ProgressCallback`); it only observes.
 
     Returns
     -------
@@ -677,6 +694,7 @@ def import_routing(
         heldout_steps=heldout_steps,
         max_tokens_per_source=DEFAULT_MAX_TOKENS_PER_SOURCE if max_tokens_per_source is None else max_tokens_per_source,
         windows=windows,
+        on_progress=on_progress,
     )
 
 

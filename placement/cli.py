@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 from placement.api import Interrupted, SignalStop
 from placement.model import InvalidInputError, PlacementError
+from placement.progress import Progress
+from placement.progress import progress as progress_bar
 
 if TYPE_CHECKING:
     from placement.model import Instance
@@ -116,14 +118,18 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _progress_printer() -> Callable[[str], None] | None:
-    if not sys.stderr.isatty():
+def _progress_printer(bar: Progress) -> Callable[[str], None] | None:
+    """One-line messages above ``bar`` when it is drawn (a terminal, no ``--quiet``), else None."""
+    if not bar.active:
         return None
 
     def show(msg: str) -> None:
-        print(f"[placement] {msg}", file=sys.stderr, flush=True)
+        bar.write(f"[placement] {msg}")
 
     return show
+
+
+_QUIET_HELP = "no progress bar or messages on stderr (they appear only on a terminal; output files never change)"
 
 
 def _check_output_path(path: str) -> None:
@@ -159,28 +165,30 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     baseline = report(instance, default_placement(instance))
     scoring_s = time.monotonic() - t0
     stop.armed = True  # from here a first signal asks for the best placement so far
-    progress = _progress_printer()
-    if progress is not None:
-        left_s = args.time_limit - (time.monotonic() - started_at)
-        progress(f"solving {instance.name} with {args.solver}: {left_s:.1f} s left of the {args.time_limit:g} s limit")
     try:
-        result = solve(
-            instance,
-            solver=args.solver,
-            time_limit_s=args.time_limit,
-            seed=args.seed,
-            num_workers=args.workers,
-            consumer=args.consumer,
-            group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
-            objective=args.objective,
-            layout=args.layout or "optimize",
-            progress=progress,
-            started_at=started_at,
-            stop_event=stop.event,
-            finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
-            **moves_kwargs,
-            fit=args.fit,
-        )
+        with progress_bar(instance.model.num_moe_layers, "solve: expert maps", "layer", quiet=args.quiet) as bar:
+            messages = _progress_printer(bar)
+            if messages is not None:
+                left_s = args.time_limit - (time.monotonic() - started_at)
+                messages(f"solving {instance.name} with {args.solver}: {left_s:.1f} s left of the {args.time_limit:g} s limit")
+            result = solve(
+                instance,
+                solver=args.solver,
+                time_limit_s=args.time_limit,
+                seed=args.seed,
+                num_workers=args.workers,
+                consumer=args.consumer,
+                group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
+                objective=args.objective,
+                layout=args.layout or "optimize",
+                progress=messages,
+                on_progress=bar.report,
+                started_at=started_at,
+                stop_event=stop.event,
+                finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
+                **moves_kwargs,
+                fit=args.fit,
+            )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
             raise Interrupted(stop.signum or signal.SIGINT) from None
@@ -434,8 +442,9 @@ def _cmd_plan(args: argparse.Namespace, started_at: float) -> int:
     space = parse_candidates(args.candidates) if args.candidates else None
     executor = make_executor(args.executor, workers=args.workers, address=args.ray_address)
     try:
-        result = plan(job, cluster, candidates=space, time_limit_s=args.time_limit, seed=args.seed,
-                      executor=executor, started_at=started_at)
+        with progress_bar(None, "plan: candidates", "item", quiet=args.quiet) as bar:
+            result = plan(job, cluster, candidates=space, time_limit_s=args.time_limit, seed=args.seed,
+                          executor=executor, started_at=started_at, on_progress=bar.report)
     finally:
         executor.close()
     if args.output:
@@ -453,19 +462,21 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from placement.api import import_routing, save_instance
 
     _check_output_path(args.output)
-    instance = import_routing(
-        args.source,
-        args.traces,
-        base=args.base,
-        model=args.model,
-        parallel=args.parallel,
-        cluster=args.cluster,
-        name=args.name,
-        cost_mode=args.cost_mode,
-        heldout_steps=args.heldout_steps,
-        max_tokens_per_source=args.max_tokens_per_source,
-        windows=args.windows,
-    )
+    with progress_bar(None, "import: traces read", "B", quiet=args.quiet, unit_scale=True) as bar:
+        instance = import_routing(
+            args.source,
+            args.traces,
+            base=args.base,
+            model=args.model,
+            parallel=args.parallel,
+            cluster=args.cluster,
+            name=args.name,
+            cost_mode=args.cost_mode,
+            heldout_steps=args.heldout_steps,
+            max_tokens_per_source=args.max_tokens_per_source,
+            windows=args.windows,
+            on_progress=bar.report,
+        )
     save_instance(instance, args.output)
     windows = instance.extra["generator"]["windows"]
     r = instance.routing
@@ -578,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default map judges on the latest window. No effect with one window")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
     so.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
+    so.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
     mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")
     mv.add_argument("--previous", metavar="OLD.json",
                     help="re-place against this placement file (same instance shape), or 'default': keep its "
@@ -624,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"cap on tokens kept per source and window (default {DEFAULT_MAX_TOKENS_PER_SOURCE})")
     im.add_argument("--windows", type=int, default=1, metavar="N",
                     help="cut the fit steps into N time-ordered sampled windows, for solve --fit (default 1)")
+    im.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
 
     st = sub.add_parser("stats", help="routing statistics of an instance: what to check before trusting a solve")
     st.add_argument("instance", help="instance JSON file")
@@ -678,6 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="slurm: count nodes whose slurmd does not answer (NOT_RESPONDING, *) as usable")
     cl.add_argument("--down-taint", action="append", metavar="KEY",
                     help="kubernetes: a NoSchedule/NoExecute taint key that also marks a node down (repeatable)")
+    pl.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
 
     sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")
     sh.add_argument("placement", help="placement file, or 'default' (the default layout; needs -o)")

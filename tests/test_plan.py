@@ -274,6 +274,19 @@ def test_plan_is_identical_with_one_and_two_workers(tiny_plans):
     assert dumps(plan_document(tiny_plans["w1"])) == dumps(plan_document(tiny_plans["w2"]))
 
 
+def test_a_plan_cut_by_the_wall_clock_says_so(tiny_plans):
+    from placement.plan import plan_table
+
+    r = tiny_plans["w1"]
+    assert r.counts["wall_clock_cut"] == 0 and not r.deadline_hit
+    assert all("wall_clock_cut" not in row.details for row in r.rows)
+    assert "may depend on the machine's load" not in plan_table(r)
+    cut = dataclasses.replace(r, counts={**r.counts, "wall_clock_cut": 2})
+    assert "the wall-clock safety net cut 2 solves short: the plan may depend on the machine's load" in plan_table(cut)
+    late = dataclasses.replace(r, deadline_hit=True)
+    assert "the wall-clock deadline ended the plan early" in plan_table(late)
+
+
 def test_pruning_never_drops_the_winner(tiny_plans):
     a, b = tiny_plans["w1"], tiny_plans["noprune"]
     assert b.counts["pruned"] == 0 and b.counts["unsolved_budget"] == 0

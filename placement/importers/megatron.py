@@ -28,7 +28,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -95,8 +95,11 @@ def _ids(rec: dict, where: str, checker: IdChecker, check: bool = True) -> np.nd
     return checker.check(ids, where) if check else ids.astype(np.int64, copy=False)
 
 
-def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iterator[RouterCall]:
+def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel,
+               on_bytes: Callable[[int], None] | None = None) -> Iterator[RouterCall]:
     """Scan Megatron router traces; yields one :class:`RouterCall` per decoder record.
+
+    ``on_bytes`` is called with the length of every line scanned (progress; it only observes).
 
     Raises
     ------
@@ -120,6 +123,8 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
                 number += 1
                 where = f"{path}: record {number}"
                 start, offset = offset, offset + len(line)
+                if on_bytes is not None:
+                    on_bytes(len(line))
                 if len(line) > MAX_RECORD_BYTES:
                     raise InvalidInputError(f"{where}: a record longer than {MAX_RECORD_BYTES:,} bytes")
                 if not line.strip():
