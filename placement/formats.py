@@ -383,7 +383,14 @@ def json_schemas() -> dict[str, dict]:
     return {
         "instance.schema.json": to_json_schema(INSTANCE_SPEC, "placement instance"),
         "placement.schema.json": to_json_schema(PLACEMENT_SPEC, "placement result"),
+        "ladder.schema.json": _ladder_schema(),
     }
+
+
+def _ladder_schema() -> dict:
+    from placement.calibration import ladder_schema  # scipy: only when asked
+
+    return ladder_schema()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,9 +68,10 @@ OVERLAP_MODES: tuple[str, ...] = ("none", "1f1b")
 EXPERT_LOAD_MODES: tuple[str, ...] = ("routing", "balanced")
 SCHEDULES: tuple[str, ...] = ("1f1b",)
 
-# Fitted by ``placement calibrate`` on the ladder (placement/data/ladder.json): the GB300 value; every
-# GPU kind's own value is in GpuKind.gemm_efficiency.  tests/test_performance.py re-fits and checks.
-CALIBRATED_GEMM_EFFICIENCY = 0.3697
+# Fitted by ``placement calibrate`` on the ladder (placement/data/ladder.json, ``--fit
+# gemm_efficiency``): one dense GEMM efficiency per GPU kind (GpuKind.gemm_efficiency, 4 digits);
+# this default is GB300's.  tests/test_performance.py re-fits and checks every value.
+CALIBRATED_GEMM_EFFICIENCY = 0.3349
 # NVIDIA's MXFP8 grouped GEMM on GB200: 2,672 TFLOP/s at K=7168, N=2048 of a 5,000 TFLOP/s dense
 # peak (the GB200 write-up, section 1, item 3).
 EXPERT_GEMM_EFFICIENCY = 0.534
@@ -97,12 +98,12 @@ _BLACKWELL = {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0}
 _HGX_BLACKWELL = {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0}
 _HOPPER = {"bf16": 989.0, "fp8": 1979.0, "mxfp8": 1979.0, "nvfp4": 1979.0}
 GPU_KINDS: dict[str, GpuKind] = {
-    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132),
-    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132),
-    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148),
-    "b300": GpuKind("b300", {**_HGX_BLACKWELL, "nvfp4": 13500.0}, 8, 900.0, 100.0, 160),
-    "gb200": GpuKind("gb200", {**_BLACKWELL, "nvfp4": 10000.0}, 72, 900.0, 50.0, 148),
-    "gb300": GpuKind("gb300", {**_BLACKWELL, "nvfp4": 15000.0}, 72, 900.0, 100.0, 160),
+    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132, 0.1985),
+    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132, 0.1985),  # H100's (no fitted H800 row)
+    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148, 0.2538),
+    "b300": GpuKind("b300", {**_HGX_BLACKWELL, "nvfp4": 13500.0}, 8, 900.0, 100.0, 160, 0.3147),
+    "gb200": GpuKind("gb200", {**_BLACKWELL, "nvfp4": 10000.0}, 72, 900.0, 50.0, 148, 0.2586),
+    "gb300": GpuKind("gb300", {**_BLACKWELL, "nvfp4": 15000.0}, 72, 900.0, 100.0, 160, 0.3349),
 }
 
 
