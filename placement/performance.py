@@ -409,6 +409,11 @@ class StepTimeModel:
         self._routed = [np.array(x) for x in routed_s]
         self._moe_idx = [np.array(x, dtype=np.int64) for x in moe_idx]
         self._overhead = [np.where(np.array(x) == -2, 0.0, perf.layer_overhead_s) for x in moe_idx]
+        self._all_dense = np.concatenate(self._dense)
+        self._all_routed = np.concatenate(self._routed)
+        self._all_idx = np.concatenate(self._moe_idx)
+        self._all_overhead = np.concatenate(self._overhead)
+        self._stage_of = np.repeat(np.arange(len(self._dense)), [len(x) for x in self._dense])
         self._pairs_per_gpu = tokens_mb * m.top_k
         self._ep = par.ep
         # The four transfers' bytes per copy and their achieved bandwidths (bytes/s) per link.
@@ -588,38 +593,39 @@ class StepTimeModel:
         if perf.capacity_factor > 0:  # tokens over the per-rank capacity are dropped
             load = np.minimum(load, perf.capacity_factor)
         pp = len(self._dense)
-        tau = np.zeros(pp)
-        sigma = np.zeros(pp)
-        comp = np.zeros(pp)
-        fwd_free = np.zeros(pp)
-        bwd_free = np.zeros(pp)
-        for s in range(pp):
-            idx = self._moe_idx[s]
-            is_moe = idx >= 0
-            safe = np.maximum(idx, 0)
-            lo = np.where(is_moe, load[safe] if n_moe else 1.0, 1.0)
-            attn = self._dense[s] + self._overhead[s]
-            mlp = self._routed[s] * lo
-            c = attn + mlp
-            t = np.where(is_moe[:, None], tt[safe] if n_moe else 0.0, 0.0)  # (layers, 4)
-            a = t.sum(axis=1)
-            if perf.overlap == "1f1b":
-                # Megatron-Core's combined 1F1B (model_chunk_schedule_plan.py, run()): backward
-                # combine | forward attention; forward dispatch | backward expert GEMMs; backward
-                # dispatch | forward expert GEMMs; forward combine | backward attention.
-                paired = (
-                    self._pair(t[:, 2], attn / 3.0)
-                    + self._pair(t[:, 0], 2.0 * mlp / 3.0)
-                    + self._pair(t[:, 3], mlp / 3.0)
-                    + self._pair(t[:, 1], 2.0 * attn / 3.0)
-                )
-                tau[s] = float(np.where(is_moe, paired, c).sum())
-            else:
-                tau[s] = float((c + a).sum())
-            sigma[s] = float((c + a).sum())
-            comp[s] = float(c.sum())
-            fwd_free[s] = max(0.0, float((c / 3.0 - t[:, 0] - t[:, 1]).sum()))
-            bwd_free[s] = max(0.0, float((2.0 * c / 3.0 - t[:, 2] - t[:, 3]).sum()))
+        # Every layer of every stage at once (self._stage_of), summed per stage with bincount.
+        idx = self._all_idx
+        is_moe = idx >= 0
+        safe = np.maximum(idx, 0)
+        lo = np.where(is_moe, load[safe] if n_moe else 1.0, 1.0)
+        attn = self._all_dense + self._all_overhead
+        mlp = self._all_routed * lo
+        c = attn + mlp
+        t = np.where(is_moe[:, None], tt[safe] if n_moe else 0.0, 0.0)  # (layers, 4)
+        a = t.sum(axis=1)
+        serial = c + a
+        if perf.overlap == "1f1b":
+            # Megatron-Core's combined 1F1B (model_chunk_schedule_plan.py, run()): backward
+            # combine | forward attention; forward dispatch | backward expert GEMMs; backward
+            # dispatch | forward expert GEMMs; forward combine | backward attention.
+            paired = (
+                self._pair(t[:, 2], attn / 3.0)
+                + self._pair(t[:, 0], 2.0 * mlp / 3.0)
+                + self._pair(t[:, 3], mlp / 3.0)
+                + self._pair(t[:, 1], 2.0 * attn / 3.0)
+            )
+            per_layer_tau = np.where(is_moe, paired, c)
+        else:
+            per_layer_tau = serial
+
+        def per_stage(x: np.ndarray) -> np.ndarray:
+            return np.bincount(self._stage_of, weights=x, minlength=pp)
+
+        tau = per_stage(per_layer_tau)
+        sigma = per_stage(serial)
+        comp = per_stage(c)
+        fwd_free = np.maximum(0.0, per_stage(c / 3.0 - t[:, 0] - t[:, 1]))
+        bwd_free = np.maximum(0.0, per_stage(2.0 * c / 3.0 - t[:, 2] - t[:, 3]))
         bubble_units = (pp - 1) / perf.vpp
         # m micro-batches: m - 1 paired forward/backward slots, the first forward and the last
         # backward unpaired (exposed), and the warm-up/cool-down bubble, also unpaired.
