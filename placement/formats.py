@@ -215,8 +215,8 @@ INSTANCE_SPEC = Obj(
                     unit="10^12 FLOP/s",
                 ),
                 "gemm_efficiency": Num(
-                    "Achieved fraction of the peak on the model's FLOPs (default: the calibrated value); "
-                    "at most 1.",
+                    "Dense GEMMs' achieved fraction of the peak (default: the GPU kind's value fitted on the "
+                    "published ladder); at most 1.",
                     exclusive_minimum=0,
                 ),
                 "layer_overhead_s": Num(
@@ -230,8 +230,8 @@ INSTANCE_SPEC = Obj(
                     1_000_000,
                 ),
                 "overlap": Str(
-                    "All-to-all overlap: none, or 1f1b (a micro-batch's all-to-all hides behind another's "
-                    "compute up to its length).",
+                    "All-to-all overlap: none, or 1f1b (Megatron-Core's combined 1F1B: each transfer hides behind "
+                    "one compute node of the other micro-batch; needs vpp > 1 when pp > 1, and ep > 1).",
                     OVERLAP_MODES,
                 ),
                 "expert_load": Str(

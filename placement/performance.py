@@ -1,11 +1,11 @@
 """Predicted step time and delivered model TFLOP/s per GPU of a placement (pure, no I/O).
 
 Training is measured in delivered model TFLOP/s per GPU, not in bytes.  This module turns the
-evaluator's report of a placement (:class:`placement.cost.Metrics`: per MoE layer the all-to-all
-time of its busiest NIC or NVLink port, and its busiest GPU's share of (token, expert) pairs) into
-the time of one optimizer step, with the instance's optional ``performance`` block
-(:class:`Performance`).  It never counts bytes itself: every all-to-all second comes from
-``Metrics.alltoall_time_s_per_layer``.
+evaluator's report of a placement (:class:`placement.cost.Metrics`: per MoE layer the busiest GPU's
+NIC and NVLink bytes, and its busiest GPU's share of (token, expert) pairs) into the time of one
+optimizer step, with the instance's optional ``performance`` block (:class:`Performance`, data in
+:mod:`placement.perfdata`, re-exported here).  It never counts bytes itself.  docs/performance.md
+has the long version with every source.
 
 The model, per optimizer step
 -----------------------------
@@ -30,44 +30,46 @@ per GPU = tokens of a global batch / step time / GPUs.
 
 Time of one micro-batch on one GPU, layer ``l`` (forward = 1/3 of the FLOPs, backward 2/3):
 
-- compute ``c_l = (F_dense_l + F_routed_l * load_l) / (peak * gemm_efficiency) + layer_overhead_s``:
-  ``F_dense`` is attention, dense MLP and shared expert, ``F_routed`` the routed experts at the mean
-  load, ``load_l`` the busiest GPU's (token, expert) pairs over the EP group's mean in that layer
-  (``Metrics.expert_load_max_over_mean_per_layer``; 1 with ``expert_load: balanced``): the layer
-  waits for its busiest GPU.  The first stage adds nothing for the embedding (a lookup; Megatron
-  counts no FLOPs for it); the last stage adds the output layer(s) and the MTP layers (priced with
-  the last MoE layer's load and all-to-all time).
-- all-to-all ``a_l = Metrics.alltoall_time_s_per_layer[l] / micro_batches``, split over the four
-  transfers in proportion to their bytes per copy (``MoEModel.transfer_bytes_per_copy``): forward
-  ``a_f`` (dispatch + combine), backward ``a_b`` (their gradients).
-- overlap ``none``: ``sigma_l = c_l + a_l``.  Overlap ``1f1b`` (Megatron-Core's EP all-to-all
-  overlap of a forward and a backward micro-batch in the 1F1B steady state, DualPipe's pairing):
-  one micro-batch's forward all-to-all hides behind another's backward compute and vice versa, up to
-  that compute's length: ``tau_l = c_l + max(0, a_f - c_b) + max(0, a_b - c_f)``.
+- compute ``c_l = attn_l + mlp_l``: ``attn_l`` = the dense FLOPs (attention, dense MLP, shared
+  expert) at ``peak * gemm_efficiency`` (the attention's score/value products at the BF16 peak)
+  plus ``layer_overhead_s``; ``mlp_l`` = the routed experts' FLOPs at the mean load, at ``peak *
+  expert_gemm_efficiency``, times the busiest GPU's load of one micro-batch
+  (:func:`per_microbatch_load` of ``Metrics.expert_load_max_over_mean_per_layer``, 1 with
+  ``expert_load: balanced``), capped at ``capacity_factor`` when one is set (tokens over it are
+  dropped).  The last stage adds the output layer(s) and the MTP layers (MTP MoE layer ``j`` priced
+  with MoE layer ``num_layers + j``'s metrics when the instance has it, else the last MoE layer's).
+- all-to-all: each transfer ``t`` (forward dispatch, forward combine, backward combine, backward
+  dispatch) takes the slower of the busiest NIC (half the evaluator's send + receive count: a
+  full-duplex link) and the busiest NVLink port at the dispatcher's achieved bandwidth
+  (:meth:`StepTimeModel.transfer_times_s`).
+- overlap ``none``: ``sigma_l = c_l + sum_t a_t``.  Overlap ``1f1b`` (Megatron-Core's combined
+  1F1B, ``overlap_moe_expert_parallel_comm``): each transfer hides behind one compute node of the
+  other micro-batch (backward combine | forward attention, forward dispatch | backward expert
+  GEMMs, backward dispatch | forward expert GEMMs, forward combine | backward attention), each pair
+  costing ``(1 - eta) a + max(eta a, c + f eta a)`` (``eta`` = ``overlap_efficiency``, ``f`` = the
+  SM share the kernels take): ``tau_l`` is the sum of the four pairs.
 
-Pipeline: 1F1B with ``vpp`` virtual stages per GPU and ``m`` micro-batches per step.  The steady
-state runs at the slowest stage's pace and the warm-up/cool-down bubble has no partner micro-batch
-to overlap with::
+Pipeline: 1F1B with ``vpp`` virtual stages per GPU and ``m`` micro-batches per step; ``m - 1``
+paired slots, the first forward and the last backward unpaired, and the warm-up/cool-down bubble::
 
-    T_pipeline = m * max_s tau_s + (pp - 1) / vpp * max_s sigma_s
+    T_pipeline = (m - 1) * max_s tau_s + (1 + (pp - 1) / vpp) * max_s sigma_s
 
-with ``tau_s = sum of tau_l`` and ``sigma_s = sum of sigma_l`` over the stage's layers (``tau = sigma``
-without overlap: the textbook ``(m + (pp - 1)/vpp) * t``).
+(``tau = sigma`` without overlap: the textbook ``(m + (pp - 1)/vpp) * t``).
 
-Data-parallel gradients (Megatron's distributed optimizer): reduce-scatter of the gradients and
-all-gather of the parameters, dense parameters over their ``dp * cp`` replicas and expert
-parameters over their ``tp * cp * dp / ep`` replicas, each ``bytes * (n - 1) / n`` per GPU at the
-bus bandwidth (NCCL's ring model), on the NICs when the group spans several NVLink domains, else on
-NVLink.  They share those links with the all-to-all: the reduce-scatter hides in one micro-batch's
-backward compute less its all-to-all, the all-gather in one forward's; what does not fit is exposed.
-Step time = ``T_pipeline`` + the slowest stage's exposed data-parallel time.
+Data-parallel collectives (Megatron's distributed optimizer): reduce-scatter of the gradients and
+all-gather of the parameters, dense over ``dp * cp`` replicas, experts over ``tp * cp * dp / ep``:
+NCCL's ring on NVLink inside one domain; across ``k`` domains with ``g`` members each at least,
+hierarchical, every member on its own NIC (``S (g-1)/g / nvlink + S (k-1)/(k g) / nic``).  The
+reduce-scatter hides in one micro-batch's backward compute less its all-to-all, the all-gather in
+one forward's; what does not fit is exposed.  Step time = ``T_pipeline`` + the slowest stage's
+exposed data-parallel time.
 
 Not modelled (absorbed by the fitted efficiency): recomputation, the optimizer step, stragglers,
-kernel launch gaps other than ``layer_overhead_s``.
+host (CPU) overhead, kernel launch gaps other than ``layer_overhead_s``.
 
-Calibration: ``gemm_efficiency``'s default is fitted on one published point and every other
-published point is predicted; :mod:`placement.calibration` holds the points and the fit, the README
-the table with every error.
+Calibration: ``gemm_efficiency`` is fitted per GPU kind on the published ladder
+(:mod:`placement.calibration`, ``placement calibrate``); the README has the table with every error.
+:func:`performance_settings` gives the ``low``/``mid``/``high`` variants of the uncertain terms.
 
 Scoring candidates (for solvers): build :class:`StepTimeModel` once per instance (FLOP counts,
 parameter counts: microseconds to milliseconds) and call :meth:`StepTimeModel.step_time_s` on each
