@@ -51,6 +51,7 @@ from placement.model import Cluster, Instance, InvalidInputError, Placement, Pla
 from placement.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
+    from placement.calibration import Calibration
     from placement.verify import VerifyReport
     from solvers.base import Consumer, Fit, LayoutMode, Objective, SolveResult
 
@@ -65,6 +66,7 @@ __all__ = [
     "check_placement",
     "evaluate_placement",
     "predict_performance",
+    "calibrate",
     "solver_names",
     "estimate_finish_s",
     "solver_budget_s",
@@ -177,6 +179,26 @@ def predict_performance(instance: Instance, placement: Placement, *, window: Win
         raise InvalidInputError(f"{instance.name}: performance: the instance has no performance block")
     metrics = evaluate(instance, placement, window=window)
     return StepTimeModel(instance).predict_metrics(metrics, placement.rank2gpu)
+
+
+def calibrate(
+    rows: str | os.PathLike[str] | None = None, fit: Sequence[str] = ("gemm_efficiency",)
+) -> Calibration:
+    """Predict the measured runs of a ladder file and fit the step-time model on its ``fit`` rows.
+
+    Parameters
+    ----------
+    rows : a ladder file (docs/formats.md); ``None`` = the published ladder shipped with the package.
+    fit : parameters to fit (:data:`placement.calibration.FITTABLE`).
+
+    Returns
+    -------
+    :class:`placement.calibration.Calibration`: every row's prediction and error, the fitted values,
+    the median absolute error of the rows not fitted and the fitted ``performance`` block.
+    """
+    from placement.calibration import calibrate as _calibrate, default_ladder_path, read_ladder
+
+    return _calibrate(read_ladder(default_ladder_path() if rows is None else rows), fit)
 
 
 def solver_names() -> list[str]:

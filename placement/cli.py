@@ -495,6 +495,22 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from placement.api import calibrate
+    from placement.formats import atomic_write_bytes
+
+    fit = [f for f in (args.fit or "gemm_efficiency").split(",") if f]
+    cal = calibrate(args.rows, fit)
+    from placement.calibration import format_table
+
+    print(format_table(cal))
+    if args.output:
+        doc = cal.to_dict()
+        atomic_write_bytes(args.output, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+        print(f"wrote {args.output}")
+    return EXIT_OK
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from placement.api import load_instance, routing_stats
 
@@ -693,6 +709,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kubernetes: a NoSchedule/NoExecute taint key that also marks a node down (repeatable)")
     pl.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
 
+    ca = sub.add_parser("calibrate", help="predict measured runs, fit the step-time model on them (docs/performance.md)")
+    ca.add_argument("rows", nargs="?", default=None,
+                    help="ladder file of measured runs (docs/formats.md; default: the published ladder shipped with the package)")
+    ca.add_argument("--fit", default=None, metavar="NAMES",
+                    help="comma-separated parameters to fit on the rows marked fit: gemm_efficiency (one per GPU kind), "
+                         "layer_overhead_s, expert_gemm_efficiency, overlap_efficiency (default gemm_efficiency)")
+    ca.add_argument("-o", "--output", help="write the fitted performance block and every row's prediction (JSON, atomic)")
+
     sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")
     sh.add_argument("placement", help="placement file, or 'default' (the default layout; needs -o)")
     sh.add_argument("--instance", help="the instance file the placement was solved for (required)")
@@ -759,6 +783,8 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
             if args.heldout_steps is not None and args.heldout_steps < 1:
                 raise InvalidInputError(f"--heldout-steps: expected a positive integer, found {args.heldout_steps}")
             return _cmd_import(args)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args)
         if args.command == "stats":
             if args.distance < 1:
                 raise InvalidInputError(f"--distance: expected a positive integer, found {args.distance}")

@@ -35,7 +35,8 @@ from placement.model import (
     Routing,
     SUPPORTED_ETP,
 )
-from placement.performance import (
+from placement.perfdata import (
+    DISPATCHERS,
     EXPERT_LOAD_MODES,
     GPU_KINDS,
     OVERLAP_MODES,
@@ -229,8 +230,8 @@ INSTANCE_SPEC = Obj(
                     unit="10^12 FLOP/s",
                 ),
                 "gemm_efficiency": Num(
-                    "Achieved fraction of the peak on the model's FLOPs (default: the calibrated value); "
-                    "at most 1.",
+                    "Dense GEMMs' achieved fraction of the peak (default: the GPU kind's value fitted on the "
+                    "published ladder); at most 1.",
                     exclusive_minimum=0,
                 ),
                 "layer_overhead_s": Num(
@@ -244,8 +245,8 @@ INSTANCE_SPEC = Obj(
                     1_000_000,
                 ),
                 "overlap": Str(
-                    "All-to-all overlap: none, or 1f1b (a micro-batch's all-to-all hides behind another's "
-                    "compute up to its length).",
+                    "All-to-all overlap: none, or 1f1b (Megatron-Core's combined 1F1B: each transfer hides behind "
+                    "one compute node of the other micro-batch; needs vpp > 1 when pp > 1, and ep > 1).",
                     OVERLAP_MODES,
                 ),
                 "expert_load": Str(
@@ -262,6 +263,44 @@ INSTANCE_SPEC = Obj(
                     "Bytes per parameter of the data-parallel parameter all-gather (default 2, BF16).",
                     minimum=0,
                     unit="bytes",
+                ),
+                "dispatcher": Str(
+                    "All-to-all backend: hybridep, deepep (Megatron's flex dispatcher) or alltoall (NCCL); "
+                    "sets the defaults of the achieved bandwidths and of comm_sms.",
+                    tuple(DISPATCHERS),
+                ),
+                "nvlink_dispatch_efficiency": Num(
+                    "Achieved NVLink all-to-all bandwidth of dispatch-like transfers (forward dispatch, backward "
+                    "combine) over the link's one-way spec; default: the dispatcher's published value.",
+                    exclusive_minimum=0,
+                ),
+                "nvlink_combine_efficiency": Num(
+                    "The same for combine-like transfers (forward combine, backward dispatch).",
+                    exclusive_minimum=0,
+                ),
+                "nic_efficiency": Num(
+                    "Achieved all-to-all bandwidth on the scale-out NIC over its spec; default: the dispatcher's.",
+                    exclusive_minimum=0,
+                ),
+                "comm_sms": Int(
+                    "SMs the all-to-all kernels take from compute while they overlap it; default: the "
+                    "dispatcher's.",
+                    1,
+                    10_000,
+                ),
+                "overlap_efficiency": Num(
+                    "Share of an overlapped transfer that hides behind its compute partner (default 1).",
+                    minimum=0,
+                ),
+                "expert_gemm_efficiency": Num(
+                    "Routed experts' grouped GEMMs' fraction of the peak (default 0.534, NVIDIA's MXFP8 "
+                    "grouped GEMM on GB200).",
+                    exclusive_minimum=0,
+                ),
+                "capacity_factor": Num(
+                    "Per-rank token capacity over the mean; tokens over it are dropped (0 = dropless, the "
+                    "default).",
+                    minimum=0,
                 ),
                 "architecture": Obj(
                     "The transformer's shape for the FLOP count (Megatron-Core's argument names).",
@@ -310,6 +349,14 @@ INSTANCE_SPEC = Obj(
                     "expert_load",
                     "grad_reduce_bytes_per_param",
                     "param_gather_bytes_per_param",
+                    "dispatcher",
+                    "nvlink_dispatch_efficiency",
+                    "nvlink_combine_efficiency",
+                    "nic_efficiency",
+                    "comm_sms",
+                    "overlap_efficiency",
+                    "expert_gemm_efficiency",
+                    "capacity_factor",
                 }
             ),
         ),
@@ -351,7 +398,14 @@ def json_schemas() -> dict[str, dict]:
     return {
         "instance.schema.json": to_json_schema(INSTANCE_SPEC, "placement instance"),
         "placement.schema.json": to_json_schema(PLACEMENT_SPEC, "placement result"),
+        "ladder.schema.json": _ladder_schema(),
     }
+
+
+def _ladder_schema() -> dict:
+    from placement.calibration import ladder_schema  # scipy: only when asked
+
+    return ladder_schema()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,8 +623,16 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
 
 def _check_performance(doc: dict, where: Path) -> None:
     perf, p = doc["performance"], doc["parallel"]
-    if perf.get("gemm_efficiency", 0.5) > 1:
-        raise _fail(where, "performance.gemm_efficiency", f"expected a fraction <= 1, found {perf['gemm_efficiency']}")
+    for key in (
+        "gemm_efficiency",
+        "expert_gemm_efficiency",
+        "nvlink_dispatch_efficiency",
+        "nvlink_combine_efficiency",
+        "nic_efficiency",
+        "overlap_efficiency",
+    ):
+        if perf.get(key, 0.5) > 1:
+            raise _fail(where, f"performance.{key}", f"expected a fraction <= 1, found {perf[key]}")
     arch = perf["architecture"]
     needed = _MLA_FIELDS if arch["attention"] == "mla" else _GQA_FIELDS
     for key in needed:
@@ -581,7 +643,8 @@ def _check_performance(doc: dict, where: Path) -> None:
     if arch["attention"] == "gqa" and arch["num_attention_heads"] % arch["num_query_groups"]:
         raise _fail(where, "performance.architecture.num_query_groups", "must divide num_attention_heads")
     vpp = perf.get("vpp", 1)
-    slots = [len(s) for s in p["stage_layers"]]
+    num_layers = doc["model"]["num_layers"]
+    slots = [sum(1 for layer in s if layer < num_layers) for s in p["stage_layers"]]
     slots[0] += 1
     slots[-1] += arch.get("mtp_num_layers", 0) + 1
     for s, n in enumerate(slots):
@@ -592,6 +655,33 @@ def _check_performance(doc: dict, where: Path) -> None:
                 f"vpp={vpp} does not divide stage {s}'s {n} layer slots (layers, +1 embedding on the first "
                 "stage, +MTP layers +1 output layer on the last)",
             )
+    _check_overlap(where, perf.get("overlap", "1f1b"), p["pp"], vpp, p["ep"], arch.get("mtp_num_layers", 0))
+
+
+def _check_overlap(where: Path, overlap: str, pp: int, vpp: int, ep: int, mtp_num_layers: int) -> None:
+    """Megatron-Core's rules for ``overlap_moe_expert_parallel_comm`` (the ``1f1b`` overlap).
+
+    ``TransformerConfig.__post_init__`` (megatron/core/transformer/transformer_config.py of
+    NVIDIA/Megatron-LM) asserts: a virtual pipeline size when PP > 1, expert parallelism > 1, and at
+    most one MTP layer.  A refused combination is an input error naming the field to change.
+    """
+    if overlap != "1f1b":
+        return
+    if pp > 1 and vpp < 2:
+        raise _fail(
+            where,
+            "performance.vpp",
+            f"overlap 1f1b with pp={pp} needs vpp > 1 (Megatron-Core refuses the EP all-to-all overlap "
+            "without a virtual pipeline when PP > 1); set vpp or overlap none",
+        )
+    if ep < 2:
+        raise _fail(where, "performance.overlap", "overlap 1f1b needs expert parallelism (ep > 1); use overlap none")
+    if mtp_num_layers > 1:
+        raise _fail(
+            where,
+            "performance.architecture.mtp_num_layers",
+            f"overlap 1f1b supports at most one MTP layer in Megatron-Core, found {mtp_num_layers}",
+        )
 
 
 def _performance(doc: dict) -> Performance:

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
-    from placement.performance import Performance
+    from placement.perfdata import Performance
 
 __all__ = [
     "CostMode",
@@ -444,7 +444,7 @@ class Instance:
     description: str = ""
     sha256: str = ""  # of the instance's files, set by the reader; identifies it in placements
     extra: dict = field(default_factory=dict, compare=False)  # provenance (generator parameters)
-    performance: Performance | None = None  # the optional step-time block (placement.performance)
+    performance: Performance | None = None  # the optional step-time block (placement.perfdata)
 
     @property
     def experts_per_rank(self) -> int:
