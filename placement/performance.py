@@ -401,11 +401,15 @@ class StepTimeModel:
                 mi.append(moe_pos.get(layer, -1))
             if s == par.pp - 1:
                 d, r = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, last_moe)
-                mtp_idx = (m.num_moe_layers - 1) if last_moe else -1
-                for _ in range(arch.mtp_num_layers):
-                    ds.append(d * tokens_mb / rate)
-                    rs.append(r * tokens_mb / rate)
-                    mi.append(mtp_idx)
+                # An MTP layer's all-to-all: its own MoE layer when the instance has it (index
+                # num_layers + j), else the last decoder MoE layer's as a stand-in.
+                stand_in = (m.num_moe_layers - 1 - len(m.mtp_moe_layers)) if last_moe else -1
+                for j in range(arch.mtp_num_layers):
+                    own = moe_pos.get(m.num_layers + j, -1)
+                    dj, rj = (d, r) if own < 0 else layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, True)
+                    ds.append(dj * tokens_mb / rate)
+                    rs.append(rj * tokens_mb / rate)
+                    mi.append(own if own >= 0 else stand_in)
                 # Output layer(s) and MTP projections: compute without an all-to-all.
                 ds.append(_head_flops_per_token(arch, m.hidden_size) * tokens_mb / rate)
                 rs.append(0.0)
