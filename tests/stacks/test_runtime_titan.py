@@ -11,10 +11,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,38 +22,12 @@ pytest.importorskip("triton")  # torchtitan imports it unconditionally
 from placement import checkpoint as ck  # noqa: E402
 from placement import runtime as rt  # noqa: E402
 from placement.model import InvalidInputError  # noqa: E402
+from tests.stacks.watch import host_tensor_watch  # noqa: E402
 from tests.stacks.tiny import DIM, GROUP_PRESERVING, NON_GROUP_PRESERVING, titan_model, titan_moe  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
               pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")]
 LAYERS = (1, 3)
-RUNTIME_FILE = str(Path(rt.__file__).resolve())
-
-
-@contextlib.contextmanager
-def host_tensor_watch():
-    """Record every ``torch.tensor`` / ``torch.as_tensor`` / ``torch.from_numpy`` call made from
-    placement/runtime.py while the block runs (the hooks must build nothing from Python data)."""
-    calls: list[str] = []
-    originals = {name: getattr(torch, name) for name in ("tensor", "as_tensor", "from_numpy")}
-
-    def watch(name):
-        original = originals[name]
-
-        def wrapped(*args, **kwargs):
-            if str(Path(sys._getframe(1).f_code.co_filename).resolve()) == RUNTIME_FILE:
-                calls.append(name)
-            return original(*args, **kwargs)
-
-        return wrapped
-
-    for name in originals:
-        setattr(torch, name, watch(name))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(torch, name, original)
 
 
 def batch(seed: int):
@@ -82,7 +53,7 @@ def test_the_hooks_build_no_tensor_from_python_data_per_call():
             loss.backward()
     assert calls == []
     torch.testing.assert_close(physical(x), logical(x), atol=1e-6, rtol=0)
-    installed.remove()
+    rt.remove(installed)
 
 
 def test_update_rewrites_the_same_tensors_and_follows_moved_weights():
@@ -128,7 +99,7 @@ def test_the_recorder_registered_after_the_map_records_logical_ids(tmp_path):
         recorded.append([r["top_indices"] for r in rec.records])
         rec.close()
     assert recorded[0] == recorded[1] and recorded[0]
-    installed.remove()
+    rt.remove(installed)
 
 
 def test_a_titan_mtp_module_is_layer_num_layers_plus_j():
