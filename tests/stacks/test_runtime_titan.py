@@ -129,3 +129,32 @@ def test_unsupported_inputs_are_refused_in_one_line():
     meta = copy.deepcopy(titan_moe(1)).to("meta")
     with pytest.raises(InvalidInputError, match="meta device"):
         rt.install_torchtitan(meta, {0: NON_GROUP_PRESERVING})
+
+
+def test_ep2_tp2_over_four_processes_placed_model_gives_the_unplaced_loss_and_gradients(tmp_path):
+    """``tests/stacks/titan_ep_job.py``: TorchTitan's own MoE parallelized with EP=2, TP=2 (DTensor
+    inputs to the pre-hook: ids sharded over batch and TP, counts as partial sums) on 4 gloo
+    processes; the placed model (weights permuted by ``apply_permutation(keep_router=True)``, plus
+    the hooks) gives the unplaced loss, input, router and (permuted) expert gradients."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.stacks.titan_ep_job", str(tmp_path)],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the 4-process TorchTitan job did not finish in 300 s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        assert r["loss_diff"] < 1e-6 and r["input_grad_max_diff"] < 1e-6
+        assert r["router_grad_max_diff"] < 1e-6 and r["expert_grad_max_diff"] < 1e-6
+        assert r["counts_equal"]
+        assert r["unhooked_loss_diff"] > 1e-3  # without the map the placed model differs
