@@ -324,6 +324,8 @@ def install_megatron(model: Any, layers: Any, *, strict: bool = True) -> Install
                     raise InvalidInputError(
                         f"layer {layer}: map has {len(maps[layer].phy2log)} experts, the router {num_experts}"
                     )
+                if layer in installed._tensors:
+                    raise InvalidInputError(f"layer {layer}: two Megatron MoE modules claim this layer ({name})")
                 if "route" in vars(module):
                     raise InvalidInputError(f"layer {layer}: {name} already has an expert map installed")
                 p2l, _ = installed._add_layer(torch, layer, maps[layer], _param_device(torch, router))

@@ -122,3 +122,42 @@ def test_mtp_router_calls_are_recorded_logically_and_imported_as_layer_num_layer
     capsys.readouterr()
     assert main(["solve", str(out), "--solver", "default", "--time-limit", "20", "-o", str(tmp_path / "p.json")]) == 0
     assert main(["verify", str(out), str(tmp_path / "p.json")]) == 0
+
+
+def test_megatron_refusals_are_one_line_and_update_follows_a_new_map(mtp_gpt):
+    import torch
+
+    from placement import runtime as rt
+    from placement.model import InvalidInputError
+    from tests.stacks.tiny import cpu_patches
+
+    logical, _ = mtp_gpt
+    maps = {0: list(range(E)), 1: list(range(E)), NUM_LAYERS: list(range(E))}
+    cases = [
+        (lambda: rt.install_megatron([logical, logical], maps), r"layer 0: two Megatron MoE modules claim this layer \(decoder\.layers\.0\.mlp\)"),
+        (lambda: rt.install_megatron(logical, {0: maps[0], 1: maps[1]}),
+         r"layer 2: a Megatron MoE layer \(mtp\.layers\.0\.transformer_layer\.mlp\) without an expert map"),
+        (lambda: rt.install_megatron(logical, {**maps, 1: [0, 1, 2, 3]}), r"layer 1: map has 4 experts, the router 8"),
+        (lambda: rt.install_megatron(logical, {**maps, 7: maps[0]}), r"layers \[7\]: expert maps for layers the Megatron"),
+    ]
+    for call, match in cases:
+        with pytest.raises(InvalidInputError, match=match) as info:
+            call()
+        assert "\n" not in str(info.value)
+        assert "route" not in vars(logical.decoder.layers[0].mlp)  # a refused install leaves nothing behind
+    live = rt.install_megatron(logical, maps)
+    with pytest.raises(InvalidInputError, match="already has an expert map installed"):
+        rt.install_megatron(logical, maps)
+    mlp = logical.mtp.layers[0].transformer_layer.mlp
+    hidden = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(4))
+    with cpu_patches():
+        want_probs, want_map = type(mlp).route(mlp, hidden)
+    new = [5, 0, 7, 2, 1, 6, 3, 4]
+    tensors = live.tensors(NUM_LAYERS)
+    assert live.update({NUM_LAYERS: new, 9: new}) == [NUM_LAYERS]  # layer 9: another stage's, ignored
+    assert live.tensors(NUM_LAYERS)[0] is tensors[0] and live.phy2log(NUM_LAYERS).tolist() == new
+    with cpu_patches():
+        probs, routing_map = mlp.route(hidden)
+    assert torch.equal(probs, want_probs[:, new]) and torch.equal(routing_map, want_map[:, new])
+    live.remove()
+    assert "route" not in vars(mlp)
