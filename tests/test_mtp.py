@@ -94,3 +94,22 @@ def test_the_step_time_model_routes_the_mtp_layer_through_its_own_map(mtp_instan
     from placement.performance import StepTimeModel
 
     assert StepTimeModel(read_instance(mtp_instance))._moe_idx[-1].tolist() == [1, 2, 3, -2]
+
+
+def test_serving_traces_cannot_fill_mtp_layers(tmp_path, capsys):
+    """SGLang and vLLM record decoder layers only: an instance asking for an MTP layer is refused."""
+    model = {"name": "m", "num_layers": 2, "mtp_num_layers": 1, "moe_layers": [0, 1, 2], "num_experts": 8, "top_k": 2,
+             "num_groups": 1, "groups_per_token": 1, "hidden_size": 16, "dispatch_bytes_per_token": 20,
+             "combine_bytes_per_token": 32}
+    parallel = {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1, "order": "tp-cp-ep-dp-pp", "stage_layers": [[0, 1]],
+                "seq_len": 8, "micro_batch": 1, "global_batch": 1}
+    cluster = {"num_domains": 1, "trays_per_domain": 1, "gpus_per_tray": 1, "nvlink_gbps": 900.0, "scaleout_gbps": 100.0}
+    args = []
+    for key, doc in (("model", model), ("parallel", parallel), ("cluster", cluster)):
+        (tmp_path / f"{key}.json").write_text(json.dumps(doc))
+        args += [f"--{key}", str(tmp_path / f"{key}.json")]
+    (tmp_path / "trace.npz").write_bytes(b"")
+    for source in ("sglang", "vllm"):
+        code = cli_main(["import", "--from", source, str(tmp_path / "trace.npz"), *args, "-o", str(tmp_path / "i.json")])
+        assert code == 2 and "traces have no rows for MTP layers ([2])" in capsys.readouterr().err
+        assert not (tmp_path / "i.json").exists()
