@@ -18,7 +18,8 @@ install it builds, per MoE layer, two int64 index tensors on the device of the l
 ``phy2log`` (E,) and ``log2phy`` (E,); the hooks read only these tensors (no Python data, no
 host-to-device copy, no stream sync per call), so they are legal inside CUDA-graph capture.
 :meth:`InstalledMap.update` writes a new map into the **same** tensors (``Tensor.copy_``): a
-captured graph replays with the new map.  :meth:`InstalledMap.phy2log` reads the current map back;
+captured graph replays with the new map.  :meth:`InstalledMap.phy2log` (one layer) and :meth:`InstalledMap.maps` (all) read the current
+map back;
 :meth:`InstalledMap.tensors` hands out the live tensors; :meth:`InstalledMap.remove` removes the
 hooks.  Install after the model is on its device and parallelized (the tensors do not follow a
 later ``model.to(...)``); a model still on the ``meta`` device is refused.
@@ -176,6 +177,11 @@ class InstalledMap:
     def log2phy(self, layer: int) -> np.ndarray:
         """(E,) int64 copy of the inverse map of ``layer``."""
         return np.asarray(self.tensors(layer)[1].detach().cpu().numpy(), dtype=np.int64)
+
+    def maps(self) -> dict[int, np.ndarray]:
+        """``{layer: (E,) phy2log}`` of every layer installed here, as the hooks apply them now
+        (what a checkpoint should save beside the experts' physical order)."""
+        return {layer: self.phy2log(layer) for layer in self.layers}
 
     def update(self, layers: Any, *, strict: bool = False) -> list[int]:
         """Replace the maps of the given layers in place (same tensors, new contents).

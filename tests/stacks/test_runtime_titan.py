@@ -73,6 +73,7 @@ def test_update_rewrites_the_same_tensors_and_follows_moved_weights():
     torch.testing.assert_close(physical(x), logical(x), atol=1e-6, rtol=0)
     assert {l: [t.data_ptr() for t in installed.tensors(l)] for l in LAYERS} == before
     assert installed.phy2log(1).tolist() == GROUP_PRESERVING
+    assert {l: m.tolist() for l, m in installed.maps().items()} == second
     assert installed.log2phy(3).tolist() == [second[3].index(e) for e in range(8)]
     # a bad row leaves every layer's map as it was
     with pytest.raises(InvalidInputError, match="layer 3: not a permutation"):
