@@ -102,7 +102,17 @@ INSTANCE_SPEC = Obj(
             {
                 "name": Str("Model name."),
                 "num_layers": Int("Transformer layers.", 1, 100_000),
-                "moe_layers": List("0-based indices of the MoE layers, ascending.", Int("Layer index.", 0), 1),
+                "moe_layers": List(
+                    "0-based indices of the MoE layers, ascending; num_layers + j is the MoE layer of "
+                    "multi-token-prediction layer j (on the last pipeline stage).",
+                    Int("Layer index.", 0),
+                    1,
+                ),
+                "mtp_num_layers": Int(
+                    "Multi-token-prediction layers after the decoder (Megatron's mtp_num_layers); default 0.",
+                    0,
+                    1000,
+                ),
                 "num_experts": Int("Routed experts per MoE layer.", 1, 1_000_000),
                 "top_k": Int("Routed experts per token.", 1, 1024),
                 "num_groups": Int("Expert groups of contiguous ids (n_group); 1 = none.", 1, 1_000_000),
@@ -132,7 +142,7 @@ INSTANCE_SPEC = Obj(
                     "bytes",
                 ),
             },
-            optional=frozenset({"dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token"}),
+            optional=frozenset({"dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token", "mtp_num_layers"}),
         ),
         "parallel": Obj(
             "Megatron-Core parallel layout (expert tensor parallel etp, 1).",
@@ -545,8 +555,14 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
     moe = m["moe_layers"]
     if any(b <= a for a, b in zip(moe, moe[1:])):
         raise _fail(where, "model.moe_layers", "expected strictly ascending layer indices")
-    if moe[-1] >= L:
-        raise _fail(where, "model.moe_layers", f"layer {moe[-1]} is out of range for num_layers={L}")
+    mtp = m.get("mtp_num_layers", 0)
+    if moe[-1] >= L + mtp:
+        raise _fail(
+            where,
+            "model.moe_layers",
+            f"layer {moe[-1]} is out of range for num_layers={L}"
+            + (f" + mtp_num_layers={mtp}" if mtp else " (an MTP layer needs model.mtp_num_layers)"),
+        )
     E, G = m["num_experts"], m["num_groups"]
     if E % G:
         raise _fail(where, "model.num_groups", f"{G} groups do not divide num_experts={E}")
@@ -642,6 +658,13 @@ def _check_performance(doc: dict, where: Path) -> None:
             )
     if arch["attention"] == "gqa" and arch["num_attention_heads"] % arch["num_query_groups"]:
         raise _fail(where, "performance.architecture.num_query_groups", "must divide num_attention_heads")
+    mtp = doc["model"].get("mtp_num_layers", 0)
+    if mtp and arch.get("mtp_num_layers", 0) != mtp:
+        raise _fail(
+            where,
+            "performance.architecture.mtp_num_layers",
+            f"expected {mtp}, as model.mtp_num_layers (found {arch.get('mtp_num_layers', 0)})",
+        )
     vpp = perf.get("vpp", 1)
     num_layers = doc["model"]["num_layers"]
     slots = [sum(1 for layer in s if layer < num_layers) for s in p["stage_layers"]]
@@ -888,6 +911,7 @@ def model_from_section(m: dict) -> MoEModel:
         combine_bytes_per_token=m["combine_bytes_per_token"],
         dispatch_grad_bytes_per_token=m.get("dispatch_grad_bytes_per_token", 0),
         combine_grad_bytes_per_token=m.get("combine_grad_bytes_per_token", 0),
+        mtp_num_layers=m.get("mtp_num_layers", 0),
     )
 
 
@@ -1021,6 +1045,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             "combine_bytes_per_token": m.combine_bytes_per_token,
             "dispatch_grad_bytes_per_token": m.dispatch_grad_bytes_per_token,
             "combine_grad_bytes_per_token": m.combine_grad_bytes_per_token,
+            **({"mtp_num_layers": m.mtp_num_layers} if m.mtp_num_layers else {}),
         },
         "parallel": {
             "tp": p.tp,

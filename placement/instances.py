@@ -72,6 +72,10 @@ class InstanceSpec:
     scaleout_gbps: float = 100.0  # 800 Gb/s NIC per GPU = 100 GB/s each way (full duplex)
     source_mix_concentration: float | None = None
     performance: Performance | None = None  # the step-time block (placement.performance)
+    # MoE layers of multi-token prediction (layer indices num_layers + j, on the last stage); their
+    # routing is generated as the layers after the decoder's last.  0: the MTP layers (if the
+    # performance block counts any) are not placed.
+    mtp_moe_layers: int = 0
 
 
 # GB300 NVL72, MXFP8 GEMMs, HybridEP, 1F1B with the all-to-all overlapped (Megatron-Core's
@@ -267,7 +271,9 @@ def _unavailable_trays(spec: InstanceSpec) -> list[tuple[int, int]]:
 
 def build(spec: InstanceSpec) -> Instance:
     """Build the in-memory instance of ``spec`` (routing generated, trays drawn)."""
-    moe_layers = tuple(range(spec.first_moe_layer, spec.num_layers))
+    moe_layers = tuple(range(spec.first_moe_layer, spec.num_layers + spec.mtp_moe_layers))
+    if spec.performance is not None and spec.mtp_moe_layers:
+        assert spec.performance.architecture.mtp_num_layers == spec.mtp_moe_layers, spec.name
     assert sum(spec.stage_sizes) == spec.num_layers and len(spec.stage_sizes) == spec.pp
     bounds = np.cumsum((0,) + spec.stage_sizes)
     stage_layers = tuple(tuple(range(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:]))
@@ -282,6 +288,7 @@ def build(spec: InstanceSpec) -> Instance:
         hidden_size=spec.hidden_size,
         dispatch_bytes_per_token=dispatch_bytes_fp8(spec.hidden_size),
         combine_bytes_per_token=combine_bytes_bf16(spec.hidden_size),
+        mtp_num_layers=spec.mtp_moe_layers,
     )
     parallel = ParallelLayout(
         tp=spec.tp,

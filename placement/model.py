@@ -122,8 +122,12 @@ def combine_bytes_bf16(hidden_size: int) -> int:
 class MoEModel:
     """The transformer's MoE shape.
 
-    ``moe_layers`` are the indices (0-based, among ``num_layers``) of the MoE layers; every array
-    over "MoE layers" in this package is indexed by position in that tuple, not by layer index.
+    ``moe_layers`` are the indices (0-based) of the MoE layers; every array over "MoE layers" in
+    this package is indexed by position in that tuple, not by layer index.  Indices below
+    ``num_layers`` are decoder layers; index ``num_layers + j`` (``0 <= j < mtp_num_layers``) is
+    the MoE layer of multi-token-prediction layer ``j``, which runs on the last pipeline stage
+    (DeepSeek-V3's MTP module: one transformer layer with its own routed experts).  An MTP layer
+    whose MLP is dense is simply not listed.
     """
 
     name: str
@@ -142,6 +146,9 @@ class MoEModel:
     # Backward of the combine: the gradient of each combined copy, source GPU -> expert GPU.
     # 0 = BF16 (2 * hidden_size), resolved at construction.
     combine_grad_bytes_per_token: int = 0
+    # Multi-token-prediction layers after the decoder (Megatron's mtp_num_layers); their MoE
+    # layers, if any, carry the indices num_layers + j in moe_layers.
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token"):
@@ -159,6 +166,15 @@ class MoEModel:
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
+
+    def is_mtp(self, layer: int) -> bool:
+        """Whether layer index ``layer`` is a multi-token-prediction layer (``>= num_layers``)."""
+        return self.num_layers <= layer < self.num_layers + self.mtp_num_layers
+
+    @property
+    def mtp_moe_layers(self) -> tuple[int, ...]:
+        """The MoE layer indices of the MTP layers (``num_layers + j``), possibly empty."""
+        return tuple(layer for layer in self.moe_layers if layer >= self.num_layers)
 
     @property
     def transfer_bytes_per_copy(self) -> dict[str, int]:
@@ -452,9 +468,10 @@ class Instance:
 
     @cached_property
     def moe_layer2stage(self) -> np.ndarray:
-        """(num_moe_layers,) pipeline stage of each MoE layer."""
+        """(num_moe_layers,) pipeline stage of each MoE layer (MTP layers: the last stage)."""
         l2s = self.parallel.layer2stage
-        return _frozen(np.array([l2s[layer] for layer in self.model.moe_layers], dtype=np.int64))
+        last, m = self.parallel.pp - 1, self.model
+        return _frozen(np.array([last if m.is_mtp(layer) else l2s[layer] for layer in m.moe_layers], dtype=np.int64))
 
     def for_solver(self) -> Instance:
         """The view a solver gets: identical, but without the held-out window."""

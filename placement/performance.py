@@ -392,13 +392,15 @@ class StepTimeModel:
                 mi.append(moe_pos.get(layer, -1))
             if s == par.pp - 1:
                 d, r = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, last_moe)
+                # An MTP layer's all-to-all and load: its own MoE layer when the instance has it
+                # (index num_layers + j), else the last decoder MoE layer's as a stand-in.
+                stand_in = (m.num_moe_layers - 1 - len(m.mtp_moe_layers)) if last_moe else -1
                 for j in range(arch.mtp_num_layers):
-                    # MTP layer j is MoE layer ``num_layers + j`` when the instance carries it, else
-                    # priced with the last MoE layer's metrics.
-                    own = moe_pos.get(m.num_layers + j)
-                    mtp_idx = own if own is not None else ((m.num_moe_layers - 1) if last_moe else -1)
-                    ds.append(dense_time(d))
-                    rs.append(r * tokens_mb / rate_expert if mtp_idx >= 0 else 0.0)
+                    own = moe_pos.get(m.num_layers + j, -1)
+                    dj, rj = (d, r) if own < 0 else layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, True)
+                    mtp_idx = own if own >= 0 else stand_in
+                    ds.append(dense_time(dj))
+                    rs.append(rj * tokens_mb / rate_expert if mtp_idx >= 0 else 0.0)
                     mi.append(mtp_idx)
                 # Output layer(s) and MTP projections: compute without an all-to-all.
                 ds.append(_head_flops_per_token(arch, m.hidden_size) * tokens_mb / rate)

@@ -111,6 +111,11 @@ def _parts(doc: dict[str, Any], name: str, cost_mode: str, description: str) -> 
 def _calls(source: str, traces: Sequence[str | os.PathLike[str]], inst: Instance,
            on_bytes: Callable[[int], None] | None = None) -> Iterator[core.RouterCall]:
     model = inst.model
+    if source in ("sglang", "vllm") and model.mtp_moe_layers:
+        raise InvalidInputError(
+            f"model.moe_layers: {source} traces have no rows for MTP layers ({list(model.mtp_moe_layers)}); "
+            "list the decoder's MoE layers only"
+        )
     if source in ("megatron", "torchtitan"):
         from placement.importers import megatron
 
