@@ -89,20 +89,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Maps:
-    """The map object :func:`placement.migrate.migrate` switches (``phy2log`` / ``update``) when
-    :func:`placement.runtime.install_torchtitan` returns hook handles only."""
-
-    def __init__(self, maps: dict[int, list[int]]) -> None:
-        self.maps = {k: list(v) for k, v in maps.items()}
-
-    def phy2log(self, layer: int) -> list[int]:
-        return self.maps[layer]
-
-    def update(self, maps: dict[int, Any]) -> None:
-        self.maps.update({int(k): [int(x) for x in v] for k, v in maps.items()})
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     import warnings
 
@@ -141,10 +127,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     opt.step()
     opt.zero_grad()
     identity = {i: list(range(args.experts)) for i in range(args.layers)}
-    live: Any = rt.install_torchtitan(model, identity)
-    if isinstance(live, list):
-        rt.remove(live)
-        live = _Maps(identity)
+    live = rt.install_torchtitan(model, identity)
     group = dist.new_group(list(range(world)))
     half = per_rank // 2
     results = []

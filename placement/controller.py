@@ -5,8 +5,9 @@ once per optimizer step).  Every ``every_steps`` steps it runs one cycle:
 
 1. **Record**: the last ``record_steps`` steps before the cycle's end, the project's
    :class:`placement.importers.recorder.RouterRecorder` hooks the routers and writes each rank's
-   ``router_trace_rank{r}.jsonl`` (logical expert ids: the recorder's hooks run before the live
-   map's, see :func:`_before_map`).
+   ``router_trace_rank{r}.jsonl`` (logical expert ids: the live map remaps after the router, in
+   Megatron-Core's ``MoELayer.route`` and before TorchTitan's ``routed_experts``, so the router's
+   forward hooks see logical ids).
 2. **Solve in the background**: rank 0 starts ``python -m placement.controller`` (a separate
    process, so the training process only polls a file): it imports the traces onto the job's base
    instance (:func:`placement.import_routing`), and re-places against the running placement
@@ -65,21 +66,6 @@ class CycleLog:
     def to_dict(self) -> dict[str, Any]:
         return {"cycle": self.cycle, "step": self.step, "decision": self.decision, "solve": self.solve,
                 "migration": self.migration}
-
-
-class _BeforeMap:
-    """A router seen by :class:`RouterRecorder` whose hooks are registered first (``prepend``), so they
-    see the router's logical output before the live map's Megatron hook turns it physical."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-
-    def register_forward_hook(self, hook: Any) -> Any:
-        return self.module.register_forward_hook(hook, prepend=True)
-
-
-def _before_map(routers: dict[int, Any]) -> dict[int, Any]:
-    return {k: _BeforeMap(m) for k, m in routers.items()}
 
 
 def _write_json(path: Path, doc: Any) -> None:
@@ -196,8 +182,7 @@ class ReplacementController:
     def _routers(self) -> dict[int, Any]:
         from placement.importers.recorder import megatron_routers, torchtitan_routers
 
-        routers = megatron_routers(self.model) if self.stack == "megatron" else torchtitan_routers(self.model)
-        return _before_map(routers)
+        return megatron_routers(self.model) if self.stack == "megatron" else torchtitan_routers(self.model)
 
     def _cycle_dir(self, cycle: int) -> Path:
         return self.work_dir / f"cycle{cycle}"

@@ -282,8 +282,8 @@ def _as_maps(new_placement: Any) -> dict[int, np.ndarray]:
 def map_state(maps: Mapping[int, Sequence[int] | np.ndarray] | Any) -> dict[str, Any]:
     """The checkpoint entry of the live map: ``{"kind", "version", "layers": {layer: phy2log}}``.
 
-    ``maps``: ``{layer: phy2log}`` or a live map (an object with ``layers`` and ``phy2log(layer)``,
-    as :func:`placement.runtime.install_megatron` returns).  Put it in the state dict the job saves
+    ``maps``: ``{layer: phy2log}`` or the live map (:class:`placement.runtime.InstalledMap`: the
+    layers this process holds).  Put it in the state dict the job saves
     (e.g. ``state["expert_map"] = map_state(live)``) or write it beside the checkpoint with
     :func:`save_map`.
     """
@@ -391,7 +391,7 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
     optimizer : the job's optimizer (torch.optim, or Megatron-Core's wrapper of one).
     new_placement : ``{layer: phy2log}`` (model layer index -> (E,) logical expert of each slot), a
         permutation document or its path, or a :func:`map_state` entry; every layer of ``live_map``.
-    live_map : the object :func:`placement.runtime.install_megatron` /
+    live_map : the :class:`placement.runtime.InstalledMap` that :func:`placement.runtime.install_megatron` /
         :func:`placement.runtime.install_torchtitan` returned (``phy2log(layer)``, ``update(maps)``).
     group : the expert-parallel process group (default: Megatron-Core's
         ``parallel_state.get_expert_model_parallel_group()``; TorchTitan: ``mesh["ep"].get_group()``).
@@ -412,7 +412,7 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
 
     t_start = time.perf_counter()
     if group is None:
-        from megatron.core import parallel_state  # type: ignore[import-untyped]
+        from megatron.core import parallel_state
 
         group = parallel_state.get_expert_model_parallel_group()
     ep, me = dist.get_world_size(group), dist.get_rank(group)

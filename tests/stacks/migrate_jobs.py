@@ -37,41 +37,9 @@ NUM_EXPERTS = 8
 NEW_MAPS_BY_POSITION = ([4, 2, 1, 3, 0, 5, 7, 6], [7, 6, 5, 4, 3, 2, 1, 0])
 
 
-class RehookingMap:
-    """Stand-in for the live map with ``phy2log(layer)`` / ``update(maps)`` / ``remove()``: it
-    reinstalls :mod:`placement.runtime`'s hooks on every update (used while install_* returns
-    handles only)."""
-
-    def __init__(self, install: Any, model: Any, maps: dict[int, list[int]]) -> None:
-        self._install, self._model = install, model
-        self._maps = {k: list(v) for k, v in maps.items()}
-        self._handles = install(model, self._maps)
-
-    def phy2log(self, layer: int) -> list[int]:
-        return list(self._maps[layer])
-
-    def update(self, maps: dict[int, Any]) -> None:
-        from placement import runtime as rt
-
-        rt.remove(self._handles)
-        self._maps.update({int(k): [int(x) for x in v] for k, v in maps.items()})
-        self._handles = self._install(self._model, self._maps)
-
-    def remove(self) -> None:
-        from placement import runtime as rt
-
-        rt.remove(self._handles)
-
-
 def live_map(install: Any, model: Any, maps: dict[int, list[int]]) -> Any:
-    """The live map :mod:`placement.runtime` installs (the stand-in while it returns hook handles)."""
-    got = install(model, maps)
-    if isinstance(got, list):
-        from placement import runtime as rt
-
-        rt.remove(got)
-        return RehookingMap(install, model, maps)
-    return got
+    """The live map :mod:`placement.runtime` installs (an ``InstalledMap``)."""
+    return install(model, maps)
 
 
 def _maybe_skip_optimizer() -> None:
@@ -401,7 +369,7 @@ def run(stack: str, rank: int, world: int, port: int, out_path: str) -> None:
                 after = job.expert_tensors(model, opt, live)
                 result[f"{name}_unchanged_after_failure"] = bool(
                     fail and all(torch.equal(before[k], after[k]) for k in before)
-                    and all(live.phy2log(k) == list(range(NUM_EXPERTS)) for k in job.layers))
+                    and all(live.phy2log(k).tolist() == list(range(NUM_EXPERTS)) for k in job.layers))
         return model, opt, live, losses
 
     t0 = time.perf_counter()
@@ -410,10 +378,11 @@ def run(stack: str, rank: int, world: int, port: int, out_path: str) -> None:
     model, opt, live, losses = train("moved", migrate_to=new_maps)
     result["moved_losses"], result["moved_state"] = losses, _gathered(job, model, opt, live)
     result["moved_live_maps"] = {str(k): [int(x) for x in live.phy2log(k)] for k in job.layers}
+    result["live_map_type"] = type(live).__name__
     # checkpoint after the migration (model, optimizer, the live map), then resume in a fresh model
     with tempfile.TemporaryDirectory() as tmp:
         ck = Path(tmp) / f"rank{rank}.pt"
-        current = {k: live.phy2log(k) for k in job.layers}
+        current = live.maps()
         torch.save({"model": {k: v for k, v in model.state_dict().items() if "_extra_state" not in k},
                     "optimizer": job.optimizer_state(opt), "expert_map": mg.map_state(current)}, ck)
         mg.save_map(Path(tmp) / f"expert_map.rank{rank}.json", current)

@@ -93,7 +93,7 @@ def test_migration_mid_training_equals_never_migrating(stack, tmp_path):
     # the same losses and final state (by logical expert) as never migrating
     assert np.allclose(r0["moved_losses"], r0["base_losses"], rtol=0, atol=ATOL)
     _close(r0["moved_state"], r0["base_state"], "migrated vs never migrated")
-    assert r0["moved_live_maps"] == r0["new_maps"]
+    assert r0["moved_live_maps"] == r0["new_maps"] and r0["live_map_type"] == "InstalledMap"
     # what moved is what the solver's move report counts
     report = _count(r0["layers"], r0["new_maps"])
     for r in ranks:
