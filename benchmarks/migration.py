@@ -17,7 +17,7 @@ the EP group of pipeline stage 0 lies in one rack: its layers have no cross-rack
 experts, each expert ``3 * dim * hidden`` FP32 parameters plus two FP32 moments (12 bytes per
 parameter); half of each rank's experts swap with the next rank's.  Reported: bytes sent by the
 busiest rank, the point-to-point batch's time, the whole call's time (plan, agreement, scratch,
-commit, map switch), medians of ``--repeat`` runs.  Loopback gloo on a shared CPU says what the
+commit, map switch), medians of ``--repeat`` runs, one torch thread per rank.  Loopback gloo on a shared CPU says what the
 logic costs, not what NVLink does.
 
 Usage::
@@ -96,6 +96,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # one intra-op thread per rank: ranks share the machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torchtitan.models.common.moe import GroupedExperts

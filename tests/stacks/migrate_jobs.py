@@ -335,6 +335,7 @@ def run(stack: str, rank: int, world: int, port: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
