@@ -355,6 +355,12 @@ def run(stack: str, rank: int, world: int, port: int, out_path: str) -> None:
             losses.append(job.step(model, opt, step))
             if step == MIGRATE_AT and migrate_to is not None:
                 before = job.expert_tensors(model, opt, live)
+                if fail:  # first the ranks disagree on the new maps: refused before anything moves
+                    other = {k: (list(reversed(v)) if rank == 1 else v) for k, v in migrate_to.items()}
+                    try:
+                        mg.migrate(model, opt, other, live_map=live, group=job.group)
+                    except mg.MigrationError as e:
+                        result["disagree_error"] = str(e)
                 real_check = mg._check_received
                 if fail and rank == 1:
                     def broken(buffers: Any) -> None:

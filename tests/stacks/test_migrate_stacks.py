@@ -9,8 +9,9 @@ Megatron-Core 0.16.1 ``GPTModel`` + ``SequentialMLP`` + ``FP32Optimizer(Adam)``;
 - the replicas and bytes it moves are what :func:`placement.movecount.count_moves` (the solver's
   move report) counts for the same two maps, at this run's 12 bytes per parameter (FP32 weights,
   two FP32 moments: no separate master copy on CPU);
-- a migration that fails on one rank before the switch leaves every rank on the old map with
-  unchanged state, and training continues exactly as the run that never migrates;
+- a migration the ranks disagree on (different new maps) is refused on every rank, and one that
+  fails on one rank after the transfer, before the switch, leaves every rank on the old map with
+  unchanged state; training then continues exactly as the run that never migrates;
 - a checkpoint saved after the migration (model, optimizer, the map entry) resumes identically.
 
 A migration that skips the optimizer state fails this test: run the job by hand with
@@ -106,7 +107,8 @@ def test_migration_mid_training_equals_never_migrating(stack, tmp_path):
         report["moved_replicas"] * PARAMS_PER_EXPERT[stack] * 8)
     assert sum(r["moved_report"]["local_moves"] for r in ranks) > 0  # slots swapped on one rank too
     # interrupted before the switch: old map, state unchanged, training as if nothing happened
-    for r in ranks:
+    for r in ranks:  # a refusal (the ranks' new maps differ), then a failure after the transfer
+        assert "differ" in r["disagree_error"]
         assert "interrupted_error" in r and r["interrupted_unchanged_after_failure"]
     assert "injected" in ranks[1]["interrupted_error"]
     assert np.allclose(r0["interrupted_losses"], r0["base_losses"], rtol=0, atol=0)
