@@ -5,14 +5,14 @@ the published ladder, ``placement calibrate``, and the report keys."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import json
-import math
 
 from placement.calibration import calibrate, default_ladder_path, read_ladder
 from placement.cli import main
@@ -417,3 +417,15 @@ def test_calibrate_exits_2_naming_the_malformed_row_and_field(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert where in err and str(path) in err
     assert not out.exists()
+
+
+def test_data_model_imports_neither_the_step_time_model_nor_the_evaluator():
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "placement"
+    for name in ("model.py", "perfdata.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & {"placement.performance", "placement.cost", "placement.calibration"}, name
+    assert not {m for m in imported if m.startswith("placement")}  # perfdata: pure data
