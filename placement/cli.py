@@ -148,6 +148,9 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         _check_output_path(args.output)
     instance = load_instance(args.instance)
     moves_kwargs = _move_arguments(args, instance)
+    if args.group_preserving != "auto":  # the older spelling: still honoured, as an explicit override
+        print(f"placement: note: --group-preserving {args.group_preserving} / --free are deprecated; say how the map "
+              "is applied with --apply runtime|checkpoint", file=sys.stderr)
     # The default layout's report, for the comparison below; its time predicts the time needed
     # to score the solver's answer, which is kept back from the solver's share of the limit.
     t0 = time.monotonic()
@@ -167,6 +170,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             num_workers=args.workers,
             consumer=args.consumer,
             group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
+            apply=args.apply,
             objective=args.objective,
             layout=args.layout or "optimize",
             progress=progress,
@@ -210,6 +214,11 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         return EXIT_OK
     m, b = result.metrics, baseline
     print(f"{instance.name}: solver {result.solver}, status {result.status}, {result.wall_s:.1f} s wall")
+    apply_mode = result.params.get("apply")
+    if apply_mode is not None:
+        maps = "group-preserving" if result.params.get("group_preserving") else "free"
+        print(f"  expert maps {maps}, applied at {apply_mode} "
+              f"({'placement.runtime hooks, keep-router checkpoint' if apply_mode == 'runtime' else 'checkpoint renumbering'})")
     if result.bound_bytes is not None:
         print(f"  objective {_gb(result.objective_bytes)}, bound {_gb(result.bound_bytes)}, gap {100 * (result.gap or 0):.1f}%")
     if instance.routing.num_windows > 1:  # several sampled windows: say how the expert maps used them
@@ -317,7 +326,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LaunchWarning)
-        files = export_file(args.format, args.placement, args.output, args.instance, keep_router=args.keep_router)
+        files = export_file(args.format, args.placement, args.output, args.instance, keep_router=args.keep_router,
+                            apply=args.apply)
     for w in caught:
         if issubclass(w.category, LaunchWarning):
             print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
@@ -498,16 +508,19 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--workers", type=int, default=None, help="solver workers (default: the cores available)")
     so.add_argument("--consumer", default="none", choices=CONSUMERS, help="layout rule of the dispatcher")
+    so.add_argument("--apply", default=None, choices=("runtime", "checkpoint"),
+                    help="how the expert maps reach the job. runtime (the default, unless the instance's apply "
+                         "says otherwise): mapped at dispatch time (placement.runtime hooks for Megatron-Core and "
+                         "TorchTitan with a keep-router checkpoint permutation; SGLang and vLLM expert maps), any "
+                         "map; checkpoint: router and experts renumbered offline, so under group-limited routing "
+                         "the maps keep expert groups whole")
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
-                    help="only group-preserving expert permutations. auto (default): on under group-limited routing "
-                         "with --layout optimize (training: the checkpoint permutation that export --format "
-                         "megatron|torchtitan|maxtext writes must keep groups whole), off with --layout fixed "
-                         "(serving: SGLang and vLLM map logical to physical experts themselves) or without "
-                         "group-limited routing; with --previous (re-placing a running training job) as with "
-                         "--layout optimize")
+                    help="deprecated override of the expert-map mode: auto (default) follows --apply "
+                         "(group-preserving exactly with checkpoint under group-limited routing); on restricts "
+                         "any solve to group-preserving maps; off = free maps (refused with --apply checkpoint "
+                         "under group-limited routing)")
     so.add_argument("--free", dest="group_preserving", action="store_const", const="off",
-                    help="same as --group-preserving off: any expert map, for consumers that apply the map at dispatch "
-                         "time (placement.runtime hooks for Megatron-Core and TorchTitan, SGLang, vLLM)")
+                    help="deprecated: same as --group-preserving off (free maps, the default of --apply runtime)")
     so.add_argument("--objective", default="step_time", choices=OBJECTIVES,
                     help="step_time (default): fastest predicted step (the performance model on the evaluator's "
                          "metrics, bytes break ties; total when the instance has no performance block); total: fewest cross-domain bytes with no stage slower than the default layout's "
@@ -544,9 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", required=True, choices=FORMATS, help="target stack (docs/formats.md)")
     ex.add_argument("-o", "--output", required=True, help="output file (written atomically)")
     ex.add_argument("--instance", help="the instance file the placement was solved for (required except for vllm)")
+    ex.add_argument("--apply", default=None, choices=("runtime", "checkpoint"),
+                    help="megatron/torchtitan: runtime writes the keep-router permutation (the experts move in the "
+                         "checkpoint, the router does not) that placement.runtime's hooks also install; checkpoint "
+                         "the permutation of router and experts (group-preserving maps under group-limited routing). "
+                         "Default: what the placement was solved for (its apply), else the instance's (runtime)")
     ex.add_argument("--keep-router", action="store_true",
-                    help="megatron/torchtitan: a permutation for the dispatch-time map (placement.runtime hooks; permute "
-                         "the checkpoint with --keep-router), which may break expert groups (solve with --free)")
+                    help="same as --apply runtime (kept for older scripts)")
 
     from placement.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, SOURCES
 

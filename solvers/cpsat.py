@@ -231,6 +231,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         "layout_source": layout_info["source"],
         "consumer": options.consumer,
         "group_preserving": gp,
+        "apply": options.apply_for(instance),
         "objective": options.objective,
         "num_workers": int(options.num_workers),
         "seed": int(options.seed),
