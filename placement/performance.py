@@ -574,3 +574,20 @@ def predict(instance: Instance, metrics: Metrics, rank2gpu: np.ndarray | None = 
     """One-off prediction (builds the :class:`StepTimeModel`; reuse that in loops)."""
     return StepTimeModel(instance).predict_metrics(metrics, rank2gpu)
 
+
+
+# TEMPORARY (branch obj): a minimal stand-in for the perf branch's performance_settings, so that the
+# band and the max-min-regret choice can run before it lands; the lead drops this at merge.
+SETTINGS = ("low", "mid", "high")
+
+
+def performance_settings(perf: Performance) -> dict[str, Performance]:
+    """The three settings of the uncertain terms: ``low`` (no overlap, GEMMs 10% slower), ``mid``
+    (``perf`` itself) and ``high`` (GEMMs 10% faster)."""
+    from dataclasses import replace
+
+    return {
+        "low": replace(perf, gemm_efficiency=perf.gemm_efficiency * 0.9, overlap="none"),
+        "mid": perf,
+        "high": replace(perf, gemm_efficiency=perf.gemm_efficiency * 1.1),
+    }
