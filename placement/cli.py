@@ -81,7 +81,25 @@ def _summary_lines(title: str, m: dict) -> list[str]:
     if "predicted_step_time_s" in m:  # the instance has a performance block
         for label, key, fmt in _PREDICTED_ROWS:
             row(label, key, fmt)
+        for label, key, fmt in _BAND_ROWS:
+            if f"{key}_{_SETTINGS[0]}" in m:
+                held = f"   held-out {_band(m, 'heldout_' + key, fmt)}" if has_held else ""
+                lines.append(f"  {label:<38}{_band(m, key, fmt):>16}{held}")
     return lines
+
+
+# The step-time model's settings of its uncertain terms (placement.performance.SETTINGS) and the
+# band rows: label, report key without prefix and setting suffix, format.
+_SETTINGS = ("low", "mid", "high")
+_BAND_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
+    ("predicted step s, low/mid/high", "predicted_step_time_s", lambda v: f"{v:.4g}"),
+    ("predicted TFLOP/s/GPU, low/mid/high", "predicted_tflops_per_gpu", lambda v: f"{v:,.1f}"),
+]
+
+
+def _band(m: dict, key: str, fmt: Callable[[float], str]) -> str:
+    """``low / mid / high`` of ``key`` (the report's ``{key}_{setting}`` values)."""
+    return " / ".join(fmt(m[f"{key}_{s}"]) for s in _SETTINGS)
 
 
 # Predicted step time rows (placement.performance): label, report key without prefix, format.
@@ -210,6 +228,9 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         }
         if "moves" in result.details:
             out["moves"] = result.details["moves"]
+        check = result.details.get("step_time_check") or {}
+        if "choice_by_setting" in check:
+            out["step_time_choice"] = {k: check[k] for k in ("returned", "choice_by_setting", "choice_differs")}
         print(json.dumps(out, sort_keys=True))
         return EXIT_OK
     m, b = result.metrics, baseline
@@ -244,6 +265,19 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                     ratio = m[k] / b[k] if b[k] else float("nan")
                     text = f"{label.replace('predicted ', '')} ({window})"
                     print(f"  {text:<38}{fmt(b[k]):>16}{fmt(m[k]):>16}{ratio:>8.3f}")
+    for label, key, fmt in _BAND_ROWS:
+        k = f"heldout_{key}"
+        if f"{k}_{_SETTINGS[0]}" in m and f"{k}_{_SETTINGS[0]}" in b:
+            print(f"  {label.replace('predicted ', '') + ' (h-o)':<38}  default {_band(b, k, fmt)}   solved {_band(m, k, fmt)}")
+    check = result.details.get("step_time_check") or {}
+    if "choice_by_setting" in check:
+        if check.get("choice_differs"):
+            alone = ", ".join(f"{s}: {name}" for s, name in check["choice_by_setting"].items())
+            print(f"  the choice differs between the model's settings (each alone: {alone}); returned "
+                  f"{check['returned']}, the best worst-case ratio to each setting's fastest candidate "
+                  f"({check['candidates'][check['returned']]['worst_ratio']:.3f})")
+        else:
+            print(f"  the same choice at every setting of the model ({check['returned']})")
     print("\n".join(_footprint_lines(instance, result)))
     if "moves" in result.details:
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
