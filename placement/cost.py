@@ -37,7 +37,7 @@ is the sum over its layers, and the step's is the slowest stage's (the pipeline 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
@@ -93,6 +93,9 @@ class Metrics:
     # cross_domain_bytes_per_stage
     cross_domain_bytes_per_ep_group: list[list[float]]
     alltoall_time_s_per_layer: list[float]  # (num_moe_layers,) slower of busiest NIC and NVLink port
+    # (num_moe_layers,) busiest GPU's NVLink bytes (received copies, one direction, like the NIC
+    # column); empty in Metrics built before this field existed
+    max_gpu_nvlink_bytes_per_layer: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -340,6 +343,7 @@ def evaluate(
         alltoall_time_s_per_stage=[float(x) for x in stage_time],
         cross_domain_bytes_per_ep_group=[[float(x) for x in row] for row in cross_per_group],
         alltoall_time_s_per_layer=[float(x) for x in layer_time],
+        max_gpu_nvlink_bytes_per_layer=[float(x) for x in nvl.max(axis=1)],
     )
 
 
@@ -390,7 +394,7 @@ def setting_step_models(instance: Instance) -> dict[str, StepTimeModel]:
     if instance.performance is None:
         raise ValueError(f"instance {instance.name!r} has no performance block")
     variants = performance_settings(instance.performance)
-    return {name: StepTimeModel(replace(instance, performance=variants[name])) for name in SETTINGS}
+    return {name: StepTimeModel(instance, variants[name]) for name in SETTINGS}
 
 
 def band_report(models: Mapping[str, StepTimeModel], metrics: Metrics, rank2gpu: np.ndarray | None,
