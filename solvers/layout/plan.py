@@ -418,14 +418,14 @@ class LayoutPlanner:
         time at the instance's own setting, then the evaluator's bytes, then the later, more
         refined candidate); the default with contiguous
         experts is one of them, so the pick's worst ratio over the settings is never below its.  When the clock
-        cut the work, only the best candidate by the estimate's slowest stage and the default layout
-        are evaluated."""
+        cut the work, only the best candidate by the estimate's slowest stage and the peers' layouts
+        (default and packed, scored first whatever the budget) are evaluated."""
         instance, budget, identity, model = self.instance, self.budget, self.identity, self.step_model
         assert model is not None
         cands = self.cands
         order = sorted(cands, key=lambda c: rank_key(c.estimate, "bottleneck") + (-cands.index(c),))
-        if budget.cut:  # the best by the estimate, and the default layout (its map balanced)
-            order = order[:1] + [c for c in order[1:] if c.name == "default"]
+        if budget.cut:  # the best by the estimate, and the peers' layouts scored first (their maps balanced)
+            order = order[:1] + [c for c in order[1:] if c.name in ("default", "packed")]
         pool: list[tuple[Candidate, dict]] = []
         if self.default_ok:
             order.append(Candidate("default, contiguous experts", self.default_r2g, {"phy2log": identity}))
