@@ -90,11 +90,12 @@ def scenario(name: str, time_limit_s: float, workers: int | None,
 
 def _mode(instance: Instance, group_preserving: bool | None) -> bool:
     """The expert-map mode of every solve of a scenario: the given one, else what a re-placement takes
-    by default (group-preserving under group-limited routing), so that the previous, the
-    unconstrained and the budgeted solves search the same maps."""
+    by default (the instance's apply mode: free maps under ``runtime``, group-preserving under
+    ``checkpoint`` and group-limited routing), so that the previous, the unconstrained and the
+    budgeted solves search the same maps."""
     if group_preserving is not None:
         return group_preserving
-    return group_preserving_default(instance, "optimize")
+    return group_preserving_default(instance)
 
 
 def run(name: str, share: float, time_limit_s: float, workers: int | None,

@@ -15,11 +15,13 @@ For each instance the same evaluator (:func:`placement.cost.report`) scores
 Usage::
 
     python benchmarks/peers.py [--instances NAME|PATH ...] [--time-limit S] [--json OUT]
-                               [--peers default,packed,eplb,kahypar] [--ours-any-permutation]
+                               [--peers default,packed,eplb,kahypar] [--ours-checkpoint]
 
-``--ours-any-permutation`` adds a row of ours with group preservation off: ``eplb`` and ``kahypar``
-permute experts freely (fine for serving, not a valid training checkpoint permutation under
-group-limited routing), so that row separates the cost of the rule from the solver's own gap.
+Ours runs in its default mode, ``apply`` ``runtime`` (free maps applied at dispatch time, the
+freedom ``eplb`` and ``kahypar`` take).  ``--ours-checkpoint`` adds a row of ours with ``apply``
+``checkpoint`` (group-preserving maps under group-limited routing), which separates the cost of the
+checkpoint-permutation rule from the solver's own gap.  Predicted TFLOP/s are given at the step-time
+model's low, mid and high settings, with a check that ours predicts at least every peer at each.
 
 It prints a Markdown table per instance (cross-domain bytes per step on the sampled and held-out
 tokens, the ratio to the best peer on held-out tokens, the busiest NIC and the expert load max/mean
@@ -48,7 +50,8 @@ from placement.formats import atomic_write_text, read_instance  # noqa: E402
 from placement.model import Instance, PlacementError  # noqa: E402
 from solvers.base import default_workers  # noqa: E402
 
-__all__ = ["PEERS", "OURS", "TARGET_RATIO", "TARGET_BOUND_GAP", "TARGET_TIME_FACTOR", "run_instance", "target_check", "markdown_table", "main"]
+__all__ = ["PEERS", "OURS", "TARGET_RATIO", "TARGET_BOUND_GAP", "TARGET_TIME_FACTOR", "run_instance", "target_check",
+           "tflops_check", "markdown_table", "main"]
 
 PEERS: tuple[str, ...] = ("default", "packed", "eplb", "kahypar")
 OURS = "cpsat"
@@ -69,7 +72,9 @@ _SCALARS = (
     "cross_domain_bytes_per_stage",
     "predicted_step_time_s",
     "predicted_tflops_per_gpu",
+    *(f"predicted_{k}_{setting}" for k in ("step_time_s", "tflops_per_gpu") for setting in ("low", "mid", "high")),
 )
+SETTINGS = ("low", "mid", "high")  # the step-time model's settings (placement.performance.SETTINGS)
 
 
 def _load(name_or_path: str) -> Instance:
@@ -86,23 +91,23 @@ def _committed_instances() -> list[str]:
 
 
 def _run_solver(instance: Instance, name: str, time_limit_s: float, seed: int, workers: int, *,
-                label: str | None = None, group_preserving: bool | None = None) -> dict:
+                label: str | None = None, apply: str | None = None) -> dict:
     """One row: solve, check, score.  A solver that cannot run gives a row with ``skipped`` set.
 
-    ``label`` names a variant row (ours with ``group_preserving`` forced); the plain row of ours is
-    the one the target is checked on.
+    ``label`` names a variant row (ours with ``apply`` forced); the plain row of ours (its default
+    mode) is the one the targets are checked on.
     """
     row: dict = {"solver": name, "label": label or name, "time_limit_s": time_limit_s,
                  "load_average_before": os.getloadavg()[0]}
     if label is not None:
-        row["variant"] = {"group_preserving": group_preserving}
+        row["variant"] = {"apply": apply}
     if name not in placement.solver_names():
         row["skipped"] = f"solver {name!r} is not registered yet"
         return row
     t0 = time.monotonic()
     try:
         result = placement.solve(instance, solver=name, time_limit_s=time_limit_s, seed=seed, num_workers=workers,
-                                 group_preserving=group_preserving, started_at=t0)
+                                 apply=apply if name == OURS else None, started_at=t0)
     except PlacementError as exc:
         row["skipped"] = f"{type(exc).__name__}: {exc}"
         return row
@@ -168,24 +173,47 @@ def target_check(rows: list[dict]) -> dict:
     return out
 
 
-def run_instance(instance: Instance, *, peers: Sequence[str], time_limit_s: float, peer_time_limit_s: float,
-                 seed: int, workers: int, ours_any_permutation: bool = False, progress=None) -> dict:
-    """Every peer and ours on one instance; rows, ratios to the best peer, bound, target check.
+def tflops_check(rows: list[dict]) -> dict:
+    """Ours (default mode) against every peer in predicted held-out TFLOP/s per GPU at each setting.
 
-    With ``ours_any_permutation`` (and a group-limited model) ours also runs with group preservation
-    off, as an extra row: the peers ``eplb`` and ``kahypar`` permute experts freely, so this row
-    shows how much of a gap to them comes from the checkpoint-permutation rule alone.
+    Returns ``{"met": bool | None, "settings": {setting: {"ours", "best_peer", "best_peer_tflops", "ok"}}}``;
+    ``met`` None when ours did not run or the instance has no performance block.
     """
-    runs: list[tuple[str, float, str | None, bool | None]] = [(n, peer_time_limit_s, None, None) for n in peers]
+    scored = [r for r in rows if "metrics" in r]
+    ours = next((r for r in scored if r["solver"] == OURS and "variant" not in r), None)
+    peers = [r for r in scored if r["solver"] in PEERS]
+    key = "heldout_predicted_tflops_per_gpu_{}"
+    if ours is None or not peers or key.format(SETTINGS[0]) not in ours["metrics"]:
+        return {"met": None, "settings": {}}
+    out: dict = {"settings": {}}
+    for setting in SETTINGS:
+        k = key.format(setting)
+        best = max(peers, key=lambda r, k=k: r["metrics"][k])
+        mine = ours["metrics"][k]
+        out["settings"][setting] = {"ours": mine, "best_peer": best["solver"], "best_peer_tflops": best["metrics"][k],
+                                    "ok": bool(mine >= best["metrics"][k] * (1 - 1e-9))}
+    out["met"] = all(v["ok"] for v in out["settings"].values())
+    return out
+
+
+def run_instance(instance: Instance, *, peers: Sequence[str], time_limit_s: float, peer_time_limit_s: float,
+                 seed: int, workers: int, ours_checkpoint: bool = False, progress=None) -> dict:
+    """Every peer and ours on one instance; rows, ratios to the best peer, bound, target checks.
+
+    Ours runs in its default mode (``apply`` runtime: free maps, the freedom ``eplb`` and ``kahypar``
+    take).  With ``ours_checkpoint`` (and a group-limited model) ours also runs with ``apply``
+    ``checkpoint`` (group-preserving maps), as an extra row: what the checkpoint-permutation rule costs.
+    """
+    runs: list[tuple[str, float, str | None, str | None]] = [(n, peer_time_limit_s, None, None) for n in peers]
     runs.append((OURS, time_limit_s, None, None))
-    if ours_any_permutation and instance.model.group_limited:
-        runs.append((OURS, time_limit_s, f"{OURS}, any permutation", False))
+    if ours_checkpoint and instance.model.group_limited:
+        runs.append((OURS, time_limit_s, f"{OURS}, apply checkpoint", "checkpoint"))
     rows = []
-    for name, limit, label, gp in runs:
+    for name, limit, label, apply in runs:
         shown = label or name
         if progress:
             progress(f"{instance.name}: {shown} ...")
-        row = _run_solver(instance, name, limit, seed, workers, label=label, group_preserving=gp)
+        row = _run_solver(instance, name, limit, seed, workers, label=label, apply=apply)
         if progress:
             if "skipped" in row:
                 progress(f"{instance.name}: {shown} skipped ({row['skipped']})")
@@ -217,6 +245,7 @@ def run_instance(instance: Instance, *, peers: Sequence[str], time_limit_s: floa
         "rows": rows,
         "bound": bound,
         "target": target_check(rows),
+        "tflops_target": tflops_check(rows),
     }
 
 
@@ -233,6 +262,13 @@ def _tflops(x: float | None) -> str:
     return "n/a" if x is None else f"{x:,.0f}"
 
 
+def _band(m: dict) -> str:
+    """Held-out predicted TFLOP/s per GPU at the low, mid and high settings (or the plain figure)."""
+    if f"heldout_predicted_tflops_per_gpu_{SETTINGS[0]}" not in m:
+        return _tflops(m.get("heldout_predicted_tflops_per_gpu"))
+    return " / ".join(_tflops(m[f"heldout_predicted_tflops_per_gpu_{s}"]) for s in SETTINGS)
+
+
 def _gap(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
@@ -242,7 +278,7 @@ def markdown_table(result: dict) -> str:
     head = (
         "| solver | cross-domain bytes/step, sampled | held-out | ratio to best peer (held-out) "
         "| busiest NIC bytes/step (held-out) | expert load max/mean (held-out) | wall s | group-preserving "
-        "| predicted TFLOP/s per GPU (held-out) |\n"
+        "| predicted TFLOP/s per GPU (held-out), low / mid / high |\n"
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
     )
     lines = [f"**{result['instance']}** ({result['cost_mode']})", "", head]
@@ -256,7 +292,7 @@ def markdown_table(result: dict) -> str:
             f"| {name} | {_bytes(m['cross_domain_bytes_per_step'])} | {_bytes(m['heldout_cross_domain_bytes_per_step'])} "
             f"| {r.get('ratio_to_best_peer', float('nan')):.3f} | {_bytes(m['heldout_max_gpu_cross_domain_bytes_per_step'])} "
             f"| {m['heldout_expert_load_max_over_mean']:.3f} | {r['wall_s']:.1f} | {'yes' if r['group_preserving'] else 'no'} "
-            f"| {_tflops(m.get('heldout_predicted_tflops_per_gpu'))} |"
+            f"| {_band(m)} |"
         )
     bound = result["bound"]
     if bound is None or (bound["partial"] and bound["bytes"] == 0):
@@ -275,6 +311,11 @@ def markdown_table(result: dict) -> str:
             f"({'yes' if t['load_ok'] else 'NO'}); wall {t['wall_ours_s']:.1f} s vs {t['wall_best_peer_s']:.1f} s "
             f"(<= {TARGET_TIME_FACTOR:g}x: {'yes' if t['time_ok'] else 'NO'})"
         )
+    tt = result.get("tflops_target") or {}
+    if tt.get("met") is not None:
+        parts = [f"{s} {v['ours']:,.0f} vs {v['best_peer']} {v['best_peer_tflops']:,.0f} ({'yes' if v['ok'] else 'NO'})"
+                 for s, v in tt["settings"].items()]
+        lines.append(f"TFLOP/s target (ours >= every peer, held-out, each setting): {'; '.join(parts)}")
     return "\n".join(lines)
 
 
@@ -289,8 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=None, help="threads/processes per solver; default: all cores")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
-    parser.add_argument("--ours-any-permutation", action="store_true",
-                        help="also run ours with group preservation off (group-limited models), as an extra row")
+    parser.add_argument("--ours-checkpoint", action="store_true",
+                        help="also run ours with --apply checkpoint (group-preserving maps; group-limited models), as "
+                             "an extra row")
     args = parser.parse_args(argv)
     peers = tuple(p for p in args.peers.split(",") if p)
     unknown = [p for p in peers if p not in PEERS]
@@ -313,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return getattr(exc, "exit_code", 1)
         res = run_instance(instance, peers=peers, time_limit_s=args.time_limit,
                            peer_time_limit_s=args.peer_time_limit, seed=args.seed, workers=workers,
-                           ours_any_permutation=args.ours_any_permutation, progress=progress)
+                           ours_checkpoint=args.ours_checkpoint, progress=progress)
         results.append(res)
         print(markdown_table(res) + "\n", flush=True)
     cores = default_workers()

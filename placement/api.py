@@ -47,7 +47,7 @@ from placement.checker import check, check_or_raise
 from placement.cost import Window, evaluate, report
 from placement.formats import placement_document, read_instance, read_placement, write_placement
 from placement.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
-from placement.model import Cluster, Instance, InvalidInputError, Placement, PlacementError, SolverError
+from placement.model import Apply, Cluster, Instance, InvalidInputError, Placement, PlacementError, SolverError
 from placement.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
@@ -242,7 +242,9 @@ def _check_arguments(
     objective: str,
     layout: str,
     finish_reserve_s: float | None,
+    apply: str | None = None,
 ) -> None:
+    from placement.model import APPLY_MODES
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
 
     def choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
@@ -265,6 +267,8 @@ def _check_arguments(
         raise InvalidInputError(f"num_workers: expected an integer in [1, {MAX_WORKERS}] or None, found {num_workers!r}")
     if group_preserving not in (None, True, False):
         raise InvalidInputError(f"group_preserving: expected True, False or None, found {group_preserving!r}")
+    if apply is not None:
+        choice("apply", apply, APPLY_MODES)
     if finish_reserve_s is not None and not (math.isfinite(finish_reserve_s) and finish_reserve_s >= 0):
         raise InvalidInputError(f"finish_reserve_s: expected a non-negative number of seconds, found {finish_reserve_s!r}")
 
@@ -279,6 +283,7 @@ def solve(
     num_workers: int | None = None,
     consumer: Consumer = "none",
     group_preserving: bool | None = None,
+    apply: Apply | None = None,
     objective: Objective = "step_time",
     layout: LayoutMode = "optimize",
     progress: Callable[[str], None] | None = None,
@@ -312,11 +317,15 @@ def solve(
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
         this process (CPU affinity, capped by a cgroup CPU quota).
     consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher.
-    group_preserving : only group-preserving expert permutations; ``None``:
-        :func:`solvers.base.group_preserving_default` (on under group-limited routing with
-        ``layout="optimize"``, the checkpoint permutation's rule; off with ``layout="fixed"``, whose
-        serving consumers map logical to physical experts themselves; with ``previous``, the training
-        rule although the rank layout is kept).
+    apply : how the expert maps reach the job: ``runtime`` (a dispatch-time map:
+        :mod:`placement.runtime` hooks for Megatron-Core and TorchTitan with a keep-router checkpoint
+        permutation, SGLang's and vLLM's expert maps; any map is valid) or ``checkpoint`` (router and
+        experts renumbered offline; under group-limited routing the maps keep expert groups whole);
+        ``None``: the instance's ``apply`` field, else ``runtime``.
+    group_preserving : an explicit override of the expert-map mode (``None``, the default, follows
+        ``apply``: group-preserving exactly under ``checkpoint`` and group-limited routing).  True
+        restricts a ``runtime`` solve to group-preserving maps; False with ``checkpoint`` under
+        group-limited routing is refused (the checkpoint permutation would change the routing).
     objective : ``step_time`` (default: predicted step time, bytes break ties; ``total`` on an
         instance without a ``performance`` block), ``total`` cross-domain bytes or the
         ``bottleneck`` (slowest stage's busiest NIC).
@@ -366,9 +375,17 @@ def solve(
 
     start = time.monotonic() if started_at is None else started_at
     _check_arguments(
-        solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
+        solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s,
+        apply,
     )
+    from solvers.base import resolve_apply
+
+    apply = resolve_apply(instance, apply)
+    if group_preserving is False and apply == "checkpoint" and instance.model.group_limited:
+        raise InvalidInputError("group_preserving: free maps cannot be applied by a checkpoint permutation under "
+                                "group-limited routing (apply checkpoint); use apply runtime (placement.runtime hooks)")
     from solvers.base import FITS
+
     if wall_limit_s is not None and (isinstance(wall_limit_s, bool) or not isinstance(wall_limit_s, (int, float))
                                      or not (math.isfinite(wall_limit_s) and wall_limit_s > 0)):
         raise InvalidInputError(f"wall_limit_s: expected a positive, finite number of seconds, found {wall_limit_s!r}")
@@ -384,10 +401,8 @@ def solve(
     move_request = None
     if previous is not None or max_moved_bytes is not None or move_cost is not None:
         move_request = _move_request(instance, solver, previous, max_moved_bytes, move_cost, expert_params,
-                                     sharded_optimizer, group_preserving)
+                                     sharded_optimizer, group_preserving, apply)
         layout = "fixed"  # the previous rank layout is kept (solvers/cpsat.py choose_rank2gpu)
-        if group_preserving is None:  # a running training job's rule, not a fixed layout's: the same as the check
-            group_preserving = _replacement_group_preserving(instance)
     reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
     options = SolveOptions(
         time_limit_s=time_limit_s,
@@ -396,6 +411,7 @@ def solve(
         num_workers=num_workers or default_workers(),
         consumer=consumer,
         group_preserving=group_preserving,
+        apply=apply,
         objective=objective,
         layout=layout,
         # May already have passed (loading ate the budget): solvers then return what they have.
@@ -435,21 +451,9 @@ def solve(
     )
 
 
-def _replacement_group_preserving(instance: Instance) -> bool:
-    """The expert-map mode of a re-placement when the caller says nothing: the rule of a training job
-    (:func:`solvers.base.group_preserving_default` with ``layout="optimize"``: group-preserving under
-    group-limited routing), although the previous rank layout is kept: a running job re-placed in
-    place applies the new maps as it applied the old ones (a checkpoint permutation keeps groups
-    whole).  Consumers that map experts at dispatch time (SGLang, vLLM, ``placement.runtime``) pass
-    ``group_preserving=False``."""
-    from solvers.base import group_preserving_default
-
-    return group_preserving_default(instance, "optimize")
-
-
 def _move_request(instance: Instance, solver: str, previous: Placement | None, max_moved_bytes: float | None,
                   move_cost: float | None, expert_params: int | None, sharded_optimizer: bool,
-                  group_preserving: bool | None) -> Any:
+                  group_preserving: bool | None, apply: Apply) -> Any:
     """The checked :class:`placement.moves.MoveRequest` of a re-placement (one-line errors naming the field)."""
     from placement.moves import MoveRequest, check_previous, replica_state_bytes
     from solvers.kernels import keeps_expert_groups
@@ -465,11 +469,13 @@ def _move_request(instance: Instance, solver: str, previous: Placement | None, m
         raise InvalidInputError(f"sharded_optimizer: expected True or False, found {sharded_optimizer!r}")
     request = MoveRequest(previous, max_moved_bytes, move_cost, expert_params, bool(sharded_optimizer))
     replica_state_bytes(instance, params=expert_params)  # the expert size must be known
-    gp = _replacement_group_preserving(instance) if group_preserving is None else group_preserving
+    from solvers.base import group_preserving_default
+
+    gp = group_preserving_default(instance, apply) if group_preserving is None else group_preserving
     if gp and instance.model.num_groups > 1 and not keeps_expert_groups(previous.phy2log,
                                                                        instance.model.experts_per_group):
         raise InvalidInputError("previous: phy2log: the previous expert maps break expert groups and this solve "
-                                "is group-preserving (re-place with group_preserving off)")
+                                "is group-preserving (apply checkpoint); re-place with apply runtime")
     return request
 
 
@@ -496,11 +502,14 @@ def export_placement(
     instance_path: str | os.PathLike[str] | None = None,
     *,
     keep_router: bool = False,
+    apply: Apply | None = None,
 ) -> dict[Path, str]:
     """Check a placement file and write it, atomically, in a format a stack reads.
 
-    ``keep_router`` (megatron, torchtitan): a permutation for the dispatch-time map of
-    :mod:`placement.runtime`, which may break expert groups.
+    ``apply`` (megatron, torchtitan): ``runtime`` writes the keep-router permutation that is also the
+    map of :mod:`placement.runtime` (any map), ``checkpoint`` the permutation of router and experts;
+    default: the placement's ``apply`` (what it was solved for), else the instance's (``runtime``).
+    ``keep_router`` is the older spelling of ``apply="runtime"``.
 
     ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, vllm-ascend, megatron,
     torchtitan, slurm, hybridep, maxtext); every format but vllm needs the instance.  Returns
@@ -516,7 +525,7 @@ def export_placement(
     """
     from placement.export import export_file
 
-    return export_file(fmt, placement_path, output_path, instance_path, keep_router=keep_router)
+    return export_file(fmt, placement_path, output_path, instance_path, keep_router=keep_router, apply=apply)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -643,6 +652,7 @@ def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
         seed=int(result.params.get("seed", 0)),
         consumer=result.consumer,
         group_preserving=result.group_preserving,
+        apply=result.params.get("apply"),
         metrics=result.metrics,
         solve=solve_info,
     )

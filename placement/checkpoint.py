@@ -435,7 +435,8 @@ def apply_exported_permutation(
     """:func:`apply_permutation` with a document written by ``placement export --format megatron``.
 
     ``stack`` defaults to the document's; the group rule comes from the document (its
-    ``num_groups`` when ``group_limited``).  A JSON string or a path-like string is accepted.
+    ``num_groups`` when ``group_limited``); a document with ``apply: runtime`` (a keep-router
+    export) moves the experts only (``keep_router=True``).  A JSON string or a path-like string is accepted.
     By default every MoE layer of the document must be in the state dict; ``only_present=True``
     (one pipeline stage's file) applies the layers whose router is present, and refuses when
     none is.
@@ -456,7 +457,8 @@ def apply_exported_permutation(
             raise InvalidInputError(
                 f"the state dict holds none of the document's MoE layers (stack={chosen}, layer_offset={layer_offset})"
             )
-    return apply_permutation(state_dict, layers, stack=chosen, num_groups=groups, layer_offset=layer_offset)
+    return apply_permutation(state_dict, layers, stack=chosen, num_groups=groups, layer_offset=layer_offset,
+                             keep_router=meta.get("apply") == "runtime")
 
 
 def _doc_groups(meta: Mapping[str, Any]) -> int:
@@ -493,7 +495,8 @@ def permute_dcp(
     num_groups : int, optional
         Overrides the document's group rule (1: no group constraint).
     keep_router : bool
-        Move the experts only, for :mod:`placement.runtime` (see :func:`permute_entries`).
+        Move the experts only, for :mod:`placement.runtime` (see :func:`permute_entries`); also
+        when the document says ``apply: runtime``.
 
     Returns
     -------
@@ -517,6 +520,7 @@ def permute_dcp(
     if chosen not in ("megatron", "torchtitan"):
         raise InvalidInputError(f"stack: expected megatron or torchtitan, found {chosen!r}")
     groups = _doc_groups(meta) if num_groups is None else num_groups
+    keep_router = keep_router or meta.get("apply") == "runtime"  # a document for placement.runtime's map
     src, dst = Path(src), Path(dst)
     _check_dirs(src, dst, marker=".metadata")
     reader = dcp.FileSystemReader(str(src))

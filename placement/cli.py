@@ -83,7 +83,25 @@ def _summary_lines(title: str, m: dict) -> list[str]:
     if "predicted_step_time_s" in m:  # the instance has a performance block
         for label, key, fmt in _PREDICTED_ROWS:
             row(label, key, fmt)
+        for label, key, fmt in _BAND_ROWS:
+            if f"{key}_{_SETTINGS[0]}" in m:
+                held = f"   held-out {_band(m, 'heldout_' + key, fmt)}" if has_held else ""
+                lines.append(f"  {label:<38}{_band(m, key, fmt):>16}{held}")
     return lines
+
+
+# The step-time model's settings of its uncertain terms (placement.performance.SETTINGS) and the
+# band rows: label, report key without prefix and setting suffix, format.
+_SETTINGS = ("low", "mid", "high")
+_BAND_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
+    ("predicted step s, low/mid/high", "predicted_step_time_s", lambda v: f"{v:.4g}"),
+    ("predicted TFLOP/s/GPU, low/mid/high", "predicted_tflops_per_gpu", lambda v: f"{v:,.1f}"),
+]
+
+
+def _band(m: dict, key: str, fmt: Callable[[float], str]) -> str:
+    """``low / mid / high`` of ``key`` (the report's ``{key}_{setting}`` values)."""
+    return " / ".join(fmt(m[f"{key}_{s}"]) for s in _SETTINGS)
 
 
 # Predicted step time rows (placement.performance): label, report key without prefix, format.
@@ -159,6 +177,9 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
 
         instance = allocate(instance, allocation)
     moves_kwargs = _move_arguments(args, instance)
+    if args.group_preserving != "auto":  # the older spelling: still honoured, as an explicit override
+        print(f"placement: note: --group-preserving {args.group_preserving} / --free are deprecated; say how the map "
+              "is applied with --apply runtime|checkpoint", file=sys.stderr)
     # The default layout's report, for the comparison below; its time predicts the time needed
     # to score the solver's answer, which is kept back from the solver's share of the limit.
     t0 = time.monotonic()
@@ -179,6 +200,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                 num_workers=args.workers,
                 consumer=args.consumer,
                 group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
+                apply=args.apply,
                 objective=args.objective,
                 layout=args.layout or "optimize",
                 progress=messages,
@@ -221,10 +243,18 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         }
         if "moves" in result.details:
             out["moves"] = result.details["moves"]
+        check = result.details.get("step_time_check") or {}
+        if "choice_by_setting" in check:
+            out["step_time_choice"] = {k: check[k] for k in ("returned", "choice_by_setting", "choice_differs")}
         print(json.dumps(out, sort_keys=True))
         return EXIT_OK
     m, b = result.metrics, baseline
     print(f"{instance.name}: solver {result.solver}, status {result.status}, {result.wall_s:.1f} s wall")
+    apply_mode = result.params.get("apply")
+    if apply_mode is not None:
+        maps = "group-preserving" if result.params.get("group_preserving") else "free"
+        print(f"  expert maps {maps}, applied at {apply_mode} "
+              f"({'placement.runtime hooks, keep-router checkpoint' if apply_mode == 'runtime' else 'checkpoint renumbering'})")
     if result.bound_bytes is not None:
         print(f"  objective {_gb(result.objective_bytes)}, bound {_gb(result.bound_bytes)}, gap {100 * (result.gap or 0):.1f}%")
     if instance.routing.num_windows > 1:  # several sampled windows: say how the expert maps used them
@@ -250,6 +280,19 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                     ratio = m[k] / b[k] if b[k] else float("nan")
                     text = f"{label.replace('predicted ', '')} ({window})"
                     print(f"  {text:<38}{fmt(b[k]):>16}{fmt(m[k]):>16}{ratio:>8.3f}")
+    for label, key, fmt in _BAND_ROWS:
+        k = f"heldout_{key}"
+        if f"{k}_{_SETTINGS[0]}" in m and f"{k}_{_SETTINGS[0]}" in b:
+            print(f"  {label.replace('predicted ', '') + ' (h-o)':<38}  default {_band(b, k, fmt)}   solved {_band(m, k, fmt)}")
+    check = result.details.get("step_time_check") or {}
+    if "choice_by_setting" in check:
+        if check.get("choice_differs"):
+            alone = ", ".join(f"{s}: {name}" for s, name in check["choice_by_setting"].items())
+            print(f"  the choice differs between the model's settings (each alone: {alone}); returned "
+                  f"{check['returned']}, the best worst-case ratio to each setting's fastest candidate "
+                  f"({check['candidates'][check['returned']]['worst_ratio']:.3f})")
+        else:
+            print(f"  the same choice at every setting of the model ({check['returned']})")
     print("\n".join(_footprint_lines(instance, result)))
     if "moves" in result.details:
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
@@ -369,7 +412,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LaunchWarning)
-        files = export_file(args.format, args.placement, args.output, args.instance, keep_router=args.keep_router)
+        files = export_file(args.format, args.placement, args.output, args.instance, keep_router=args.keep_router,
+                            apply=args.apply)
     for w in caught:
         if issubclass(w.category, LaunchWarning):
             print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
@@ -582,16 +626,19 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--workers", type=int, default=None, help="solver workers (default: the cores available)")
     so.add_argument("--consumer", default="none", choices=CONSUMERS, help="layout rule of the dispatcher")
+    so.add_argument("--apply", default=None, choices=("runtime", "checkpoint"),
+                    help="how the expert maps reach the job. runtime (the default, unless the instance's apply "
+                         "says otherwise): mapped at dispatch time (placement.runtime hooks for Megatron-Core and "
+                         "TorchTitan with a keep-router checkpoint permutation; SGLang and vLLM expert maps), any "
+                         "map; checkpoint: router and experts renumbered offline, so under group-limited routing "
+                         "the maps keep expert groups whole")
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
-                    help="only group-preserving expert permutations. auto (default): on under group-limited routing "
-                         "with --layout optimize (training: the checkpoint permutation that export --format "
-                         "megatron|torchtitan|maxtext writes must keep groups whole), off with --layout fixed "
-                         "(serving: SGLang and vLLM map logical to physical experts themselves) or without "
-                         "group-limited routing; with --previous (re-placing a running training job) as with "
-                         "--layout optimize")
+                    help="deprecated override of the expert-map mode: auto (default) follows --apply "
+                         "(group-preserving exactly with checkpoint under group-limited routing); on restricts "
+                         "any solve to group-preserving maps; off = free maps (refused with --apply checkpoint "
+                         "under group-limited routing)")
     so.add_argument("--free", dest="group_preserving", action="store_const", const="off",
-                    help="same as --group-preserving off: any expert map, for consumers that apply the map at dispatch "
-                         "time (placement.runtime hooks for Megatron-Core and TorchTitan, SGLang, vLLM)")
+                    help="deprecated: same as --group-preserving off (free maps, the default of --apply runtime)")
     so.add_argument("--objective", default="step_time", choices=OBJECTIVES,
                     help="step_time (default): fastest predicted step (the performance model on the evaluator's "
                          "metrics, bytes break ties; total when the instance has no performance block); total: fewest cross-domain bytes with no stage slower than the default layout's "
@@ -630,9 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", required=True, choices=FORMATS, help="target stack (docs/formats.md)")
     ex.add_argument("-o", "--output", required=True, help="output file (written atomically)")
     ex.add_argument("--instance", help="the instance file the placement was solved for (required except for vllm)")
+    ex.add_argument("--apply", default=None, choices=("runtime", "checkpoint"),
+                    help="megatron/torchtitan: runtime writes the keep-router permutation (the experts move in the "
+                         "checkpoint, the router does not) that placement.runtime's hooks also install; checkpoint "
+                         "the permutation of router and experts (group-preserving maps under group-limited routing). "
+                         "Default: what the placement was solved for (its apply), else the instance's (runtime)")
     ex.add_argument("--keep-router", action="store_true",
-                    help="megatron/torchtitan: a permutation for the dispatch-time map (placement.runtime hooks; permute "
-                         "the checkpoint with --keep-router), which may break expert groups (solve with --free)")
+                    help="same as --apply runtime (kept for older scripts)")
 
     from placement.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, SOURCES
 

@@ -36,13 +36,17 @@ is the sum over its layers, and the step's is the slowest stage's (the pipeline 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from placement.model import CostMode, Instance, InvalidInputError, Placement
+
+if TYPE_CHECKING:  # pragma: no cover
+    from placement.performance import StepTimeModel
 
 __all__ = [
     "Window",
@@ -55,6 +59,10 @@ __all__ = [
     "sampled_token_weight",
     "fabric_bytes_per_crossing",
     "nic_bytes_per_crossing",
+    "setting_step_models",
+    "band_report",
+    "RegretChoice",
+    "max_min_regret",
 ]
 
 Window = Literal["sampled", "heldout"]
@@ -359,10 +367,93 @@ def report(instance: Instance, placement: Placement) -> dict:
         from placement.performance import StepTimeModel
 
         step_model = StepTimeModel(instance)
+        models = setting_step_models(instance)
         out.update(step_model.predict_metrics(Metrics(**sampled), placement.rank2gpu).to_dict())
+        out.update(band_report(models, Metrics(**sampled), placement.rank2gpu))
         if instance.routing.heldout_topk is not None:
             out.update(step_model.predict_metrics(Metrics(**held), placement.rank2gpu).to_dict("heldout_"))
+            out.update(band_report(models, Metrics(**held), placement.rank2gpu, "heldout_"))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The step-time model's uncertainty: a low / mid / high band, and the max-min-regret choice
+# ---------------------------------------------------------------------------------------------
+def setting_step_models(instance: Instance) -> dict[str, StepTimeModel]:
+    """One :class:`~placement.performance.StepTimeModel` per setting of the uncertain terms
+    (:data:`placement.performance.SETTINGS`: ``low``, ``mid``, ``high``;
+    :func:`placement.performance.performance_settings`), in that order.
+
+    Raises
+    ------
+    ValueError
+        The instance has no ``performance`` block.
+    """
+    from placement.performance import SETTINGS, StepTimeModel, performance_settings
+
+    if instance.performance is None:
+        raise ValueError(f"instance {instance.name!r} has no performance block")
+    variants = performance_settings(instance.performance)
+    return {name: StepTimeModel(instance, variants[name]) for name in SETTINGS}
+
+
+def band_report(models: Mapping[str, StepTimeModel], metrics: Metrics, rank2gpu: np.ndarray | None,
+                prefix: str = "") -> dict[str, float]:
+    """``{prefix}predicted_step_time_s_{setting}`` and ``{prefix}predicted_tflops_per_gpu_{setting}``
+    of every setting in ``models`` (:func:`setting_step_models`) for one window's ``metrics``."""
+    out: dict[str, float] = {}
+    for name, model in models.items():
+        pred = model.predict_metrics(metrics, rank2gpu)
+        out[f"{prefix}predicted_step_time_s_{name}"] = float(pred.step_time_s)
+        out[f"{prefix}predicted_tflops_per_gpu_{name}"] = float(pred.tflops_per_gpu)
+    return out
+
+
+@dataclass(frozen=True)
+class RegretChoice:
+    """What :func:`max_min_regret` chose.
+
+    index : the chosen candidate.
+    worst_ratio : (candidates,) each candidate's worst, over the settings, ratio of the best step
+        time of that setting to its own (1 = the fastest at every setting).
+    best_by_setting : per setting, the candidate with the fastest step at that setting alone.
+    """
+
+    index: int
+    worst_ratio: list[float]
+    best_by_setting: dict[str, int]
+
+    @property
+    def differs(self) -> bool:
+        """True when some setting alone would choose another candidate than the robust choice."""
+        return any(i != self.index for i in self.best_by_setting.values())
+
+
+def max_min_regret(step_times_s: Sequence[Mapping[str, float]], *, rtol: float = 1e-9) -> RegretChoice:
+    """The candidate whose worst ratio to the best candidate of each setting is largest.
+
+    Parameters
+    ----------
+    step_times_s : per candidate, ``{setting: predicted step seconds}`` (every candidate the same
+        settings), in order of preference: within ``rtol`` of the best worst ratio the earlier
+        candidate wins.
+
+    Examples
+    --------
+    >>> c = max_min_regret([{"low": 2.0, "high": 1.0}, {"low": 1.5, "high": 1.2}])
+    >>> c.index, c.worst_ratio, c.best_by_setting
+    (1, [0.75, 0.8333333333333334], {'low': 1, 'high': 0})
+    """
+    if not step_times_s:
+        raise ValueError("max_min_regret: no candidates")
+    settings = list(step_times_s[0])
+    best = {s: min(float(t[s]) for t in step_times_s) for s in settings}
+    worst = [min(best[s] / float(t[s]) if float(t[s]) > 0 else 1.0 for s in settings) for t in step_times_s]
+    top = max(worst)
+    index = next(i for i, w in enumerate(worst) if w >= top * (1 - rtol))
+    by_setting = {s: next(i for i, t in enumerate(step_times_s) if float(t[s]) <= best[s] * (1 + rtol))
+                  for s in settings}
+    return RegretChoice(index, worst, by_setting)
 
 
 # ---------------------------------------------------------------------------------------------

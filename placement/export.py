@@ -85,6 +85,7 @@ __all__ = [
     "export_text",
     "load_for_export",
     "export_file",
+    "export_apply",
 ]
 
 ExportFormat = Literal["sglang", "vllm", "vllm-ascend", "megatron", "torchtitan", "slurm", "hybridep", "maxtext"]
@@ -345,10 +346,12 @@ def expert_permutation(instance: Instance, placement: Placement, stack: Literal[
     new expert ``p`` takes old expert ``layers[l][p]`` (``phy2log``), for the expert weights, the
     router weight rows and the per-expert bias together (:mod:`placement.checkpoint`).
 
-    With ``keep_router`` the document is for the dispatch-time map instead (the checkpoint moves the
-    experts only, ``keep_router=True``, and :mod:`placement.runtime` maps logical to physical ids):
-    any permutation is then valid, and the document's ``group_preserving`` says whether it keeps
-    groups whole (:mod:`placement.checkpoint` refuses a group-breaking one without ``keep_router``).
+    With ``keep_router`` the document is for the dispatch-time map instead (``apply: runtime``: the
+    checkpoint moves the experts only, ``keep_router=True``, and :mod:`placement.runtime` installs the
+    same document as its map, logical to physical ids): any permutation is then valid, and the
+    document's ``group_preserving`` says whether it keeps groups whole (:mod:`placement.checkpoint`
+    refuses a group-breaking one without ``keep_router``).  The document's ``apply`` field
+    (``runtime`` or ``checkpoint``) tells :mod:`placement.checkpoint` which of the two it is.
 
     Raises
     ------
@@ -371,6 +374,7 @@ def expert_permutation(instance: Instance, placement: Placement, stack: Literal[
         "version": PERMUTATION_VERSION,
         "stack": stack,
         "direction": PERMUTATION_DIRECTION,
+        "apply": "runtime" if keep_router else "checkpoint",
         "instance": {"name": instance.name, "sha256": instance.sha256},
         "num_layers": m.num_layers,
         **({"mtp_num_layers": m.mtp_num_layers} if m.mtp_num_layers else {}),
@@ -581,11 +585,14 @@ def parse_env_text(text: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
-def export_text(fmt: str, placement: Placement, instance: Instance | None, *, keep_router: bool = False) -> str:
+def export_text(fmt: str, placement: Placement, instance: Instance | None, *, keep_router: bool | None = None) -> str:
     """The file contents of ``fmt`` for a placement already checked against ``instance``
-    (``keep_router``: see :func:`expert_permutation`; megatron and torchtitan only)."""
+    (``keep_router``: see :func:`expert_permutation`; megatron and torchtitan only; ``None``: as the
+    instance's apply mode says, True for ``runtime``, the default)."""
     if fmt not in FORMATS:
         raise InvalidInputError(f"--format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
+    if keep_router is None:
+        keep_router = fmt in ("megatron", "torchtitan") and instance is not None and instance.apply_mode == "runtime"
     if keep_router and fmt not in ("megatron", "torchtitan"):
         raise InvalidInputError(f"--keep-router: only for --format megatron or torchtitan, not {fmt}")
     if instance is None:
@@ -663,6 +670,34 @@ def require_placement_of(
         raise InvalidInputError(f"{placement_path}: {problems[0]}{more}")
 
 
+def export_apply(fmt: str, doc: dict, instance: Instance | None, *, apply: str | None = None,
+                 keep_router: bool = False) -> str:
+    """How the exported map is applied: ``apply`` when given (``keep_router``: ``runtime``), else the
+    placement document's ``apply`` (what it was solved for), else the instance's (default ``runtime``).
+
+    Raises
+    ------
+    InvalidInputError
+        An unknown ``apply``, ``keep_router`` with ``apply="checkpoint"``, or ``keep_router`` for a
+        format other than megatron or torchtitan.
+    """
+    from placement.model import APPLY_MODES, DEFAULT_APPLY
+
+    if apply is not None and apply not in APPLY_MODES:
+        raise InvalidInputError(f"--apply: expected one of {', '.join(APPLY_MODES)}, found {apply!r}")
+    if keep_router:
+        if fmt not in ("megatron", "torchtitan"):
+            raise InvalidInputError(f"--keep-router: only for --format megatron or torchtitan, not {fmt}")
+        if apply == "checkpoint":
+            raise InvalidInputError("--keep-router: the keep-router permutation is for --apply runtime, not checkpoint")
+        return "runtime"
+    if apply is not None:
+        return apply
+    if doc.get("apply") in APPLY_MODES:
+        return str(doc["apply"])
+    return instance.apply_mode if instance is not None else DEFAULT_APPLY
+
+
 def export_file(
     fmt: str,
     placement_path: str | os.PathLike,
@@ -670,11 +705,15 @@ def export_file(
     instance_path: str | os.PathLike | None = None,
     *,
     keep_router: bool = False,
+    apply: str | None = None,
 ) -> dict[Path, str]:
     """Check, convert and atomically write ``placement_path`` as ``fmt`` to ``output_path``.
 
-    ``keep_router`` (megatron, torchtitan): a permutation for the dispatch-time map
-    (:func:`expert_permutation`).
+    megatron and torchtitan write what the placement's apply mode needs (:func:`export_apply`):
+    ``runtime`` a keep-router permutation (the experts move in the checkpoint, the router does not)
+    that is also the map :mod:`placement.runtime` installs; ``checkpoint`` a permutation of router
+    and experts together (:func:`expert_permutation`).  ``keep_router`` is the older spelling of
+    ``apply="runtime"``.
 
     ``slurm`` also writes the per-host GPU file (:func:`slurm_gpus_path`) and the launcher script
     (:func:`placement.launch.launcher_path`, executable) beside the hostfile, and warns with
@@ -697,8 +736,9 @@ def export_file(
             f"-o: {out}: SGLang reads --init-expert-location as a file only when the path ends in .json "
             "(any other string is parsed as inline JSON); name the output *.json"
         )
-    instance, placement, _ = load_for_export(placement_path, instance_path)
-    files = {out: export_text(fmt, placement, instance, keep_router=keep_router)}
+    instance, placement, doc = load_for_export(placement_path, instance_path)
+    mode = export_apply(fmt, doc, instance, apply=apply, keep_router=keep_router)
+    files = {out: export_text(fmt, placement, instance, keep_router=mode == "runtime" and fmt in ("megatron", "torchtitan"))}
     if fmt == "slurm" and instance is not None:
         from placement.launch import launcher_path, launcher_script, torchrun_problem
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from placement.model import (
+    APPLY_MODES,
     COST_MODES,
     Cluster,
     Instance,
@@ -96,6 +97,14 @@ INSTANCE_SPEC = Obj(
             "NVLink domain per token) or per_pair (Megatron alltoall, DeepEP low-latency: once per "
             "remote expert per token).",
             COST_MODES,
+        ),
+        "apply": Str(
+            "How the placement's expert maps reach the job (default runtime): runtime maps logical to "
+            "physical experts at dispatch time (placement.runtime hooks for Megatron-Core and TorchTitan "
+            "with a keep-router checkpoint permutation; SGLang and vLLM expert maps), so any map is valid; "
+            "checkpoint renumbers router and experts offline, so under group-limited routing every map "
+            "keeps expert groups whole.",
+            APPLY_MODES,
         ),
         "model": Obj(
             "The MoE transformer.",
@@ -371,7 +380,7 @@ INSTANCE_SPEC = Obj(
             ),
         ),
     },
-    optional=frozenset({"description", "performance"}),
+    optional=frozenset({"description", "performance", "apply"}),
 )
 
 _MLA_FIELDS = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -390,6 +399,8 @@ PLACEMENT_SPEC = Obj(
         "params": Any_("Solver parameters."),
         "seed": Int("Random seed.", 0),
         "group_preserving": Bool("True when every layer's permutation keeps expert groups whole."),
+        "apply": Str("How the expert maps are applied (runtime: dispatch-time map; checkpoint: router and "
+                     "experts renumbered offline); what export --format megatron|torchtitan writes.", APPLY_MODES),
         "consumer": Str("Consumer rule the layout obeys (none, deepep, hybridep)."),
         "rank2gpu": List("Physical GPU id of each global rank.", Int("GPU id.", 0, MAX_INT)),
         "phy2log": List(
@@ -399,7 +410,7 @@ PLACEMENT_SPEC = Obj(
         "metrics": Any_("The evaluator's report (sampled and heldout_ keys)."),
         "solve": Any_("Solver report: status, objective, bound, gap, per-layer details."),
     },
-    optional=frozenset({"params", "metrics", "solve", "consumer", "group_preserving"}),
+    optional=frozenset({"params", "metrics", "solve", "consumer", "group_preserving", "apply"}),
 )
 
 
@@ -1021,6 +1032,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
         sha256=digest,
         extra={"generator": doc["routing"].get("generator", {}), "path": str(where)},
         performance=_performance(doc) if "performance" in doc else None,
+        apply=doc.get("apply"),
     )
 
 
@@ -1032,6 +1044,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
         "name": instance.name,
         "description": instance.description,
         "cost_mode": instance.cost_mode,
+        **({"apply": instance.apply} if instance.apply is not None else {}),  # absent: not stated
         "model": {
             "name": m.name,
             "num_layers": m.num_layers,
@@ -1114,6 +1127,7 @@ def placement_document(
     group_preserving: bool = False,
     metrics: dict | None = None,
     solve: dict | None = None,
+    apply: str | None = None,
 ) -> dict:
     """The JSON document of a placement (deterministic: no wall-clock values)."""
     doc = {
@@ -1125,6 +1139,7 @@ def placement_document(
         "seed": seed,
         "consumer": consumer,
         "group_preserving": group_preserving,
+        **({"apply": apply} if apply is not None else {}),
         "rank2gpu": [int(x) for x in placement.rank2gpu],
         "phy2log": [[int(x) for x in row] for row in placement.phy2log],
         "metrics": metrics or {},

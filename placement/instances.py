@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from placement.formats import write_instance
-from placement.generator import generate_routing
+from placement.generator import TRAINED_MODEL_PARAMS, generate_routing
 from placement.performance import DEEPSEEK_V3, QWEN3_235B_A22B, Architecture, Performance
 from placement.model import (
     Cluster,
@@ -72,11 +72,22 @@ class InstanceSpec:
     scaleout_gbps: float = 100.0  # 800 Gb/s NIC per GPU = 100 GB/s each way (full duplex)
     source_mix_concentration: float | None = None
     performance: Performance | None = None  # the step-time block (placement.performance)
+    routing_params: tuple[tuple[str, float], ...] = ()  # generate_routing arguments (skew, drift, ...)
     # MoE layers of multi-token prediction (layer indices num_layers + j, on the last stage); their
     # routing is generated as the layers after the decoder's last.  0: the MTP layers (if the
     # performance block counts any) are not placed.
     mtp_moe_layers: int = 0
 
+
+# The generator's arguments per model shape: TRAINED_MODEL_PARAMS (fitted on the trained model's 64
+# experts) re-fitted on each committed shape so that the sampled routing's expert load max/mean, its
+# co-activation lift (placement.stats.realism_stats) and the fit-to-held-out load drift are within 20%
+# of the trained model's (docs/real_routing.md, "The committed synthetic instances";
+# tests/test_instances.py checks it).  More experts spread the same skew over a longer tail, so
+# the 256- and 128-expert shapes need a weaker topic logit and a larger per-window drift.
+_DSV3_ROUTING = tuple({**TRAINED_MODEL_PARAMS, "skew": 0.27, "topic_strength": 2.6, "drift": 0.95}.items())
+_QWEN3_ROUTING = tuple({**TRAINED_MODEL_PARAMS, "skew": 0.35, "topic_strength": 2.6, "drift": 0.95}.items())
+_TINY_ROUTING = tuple({**TRAINED_MODEL_PARAMS, "topic_strength": 15.0, "drift": 0.7}.items())
 
 # GB300 NVL72, MXFP8 GEMMs, HybridEP, 1F1B with the all-to-all overlapped (Megatron-Core's
 # combined 1F1B, which needs vpp > 1 when pp > 1: the stage splits give every stage the same layer
@@ -127,6 +138,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=128,
             heldout_tokens_per_source=64,
             seed=1024,
+            routing_params=_DSV3_ROUTING,
             performance=dataclasses.replace(_DSV3_GB300, vpp=2),
         ),
         InstanceSpec(
@@ -159,6 +171,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=128,
             heldout_tokens_per_source=64,
             seed=256,
+            routing_params=_DSV3_ROUTING,
             performance=dataclasses.replace(_DSV3_GB300, vpp=4),
         ),
         InstanceSpec(
@@ -191,6 +204,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=32,
             heldout_tokens_per_source=16,
             seed=2560,
+            routing_params=_DSV3_ROUTING,
             performance=_DSV3_GB300,
         ),
         InstanceSpec(
@@ -223,6 +237,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=96,
             heldout_tokens_per_source=64,
             seed=128,
+            routing_params=_QWEN3_ROUTING,
             performance=Performance(gpu="gb300", precision="mxfp8", architecture=QWEN3_235B_A22B, vpp=4),
         ),
         InstanceSpec(
@@ -255,6 +270,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=32,
             heldout_tokens_per_source=32,
             seed=7,
+            routing_params=_TINY_ROUTING,
             performance=Performance(gpu="gb200", precision="bf16", architecture=_TINY_ARCH, overlap="none"),
         ),
     ]
@@ -325,6 +341,7 @@ def build(spec: InstanceSpec) -> Instance:
         num_groups=spec.num_groups,
         groups_per_token=spec.groups_per_token,
     )
+    gen_params.update(dict(spec.routing_params))
     if spec.source_mix_concentration is not None:
         gen_params["source_mix_concentration"] = spec.source_mix_concentration
     windows = generate_routing(**gen_params)

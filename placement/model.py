@@ -58,6 +58,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "CostMode",
     "COST_MODES",
+    "Apply",
+    "APPLY_MODES",
+    "DEFAULT_APPLY",
     "MoEModel",
     "ParallelLayout",
     "SUPPORTED_ETP",
@@ -76,6 +79,13 @@ __all__ = [
 
 CostMode = Literal["per_domain", "per_pair"]
 COST_MODES: tuple[CostMode, ...] = ("per_domain", "per_pair")
+# How a placement's expert maps reach the job (the instance's ``apply`` field, ``solve --apply``):
+# ``runtime`` maps logical to physical experts at dispatch time (placement.runtime hooks for
+# Megatron-Core and TorchTitan, SGLang's and vLLM's own expert maps): any map is valid; ``checkpoint``
+# renumbers router and experts offline, which must keep expert groups whole under group-limited routing.
+Apply = Literal["runtime", "checkpoint"]
+APPLY_MODES: tuple[Apply, ...] = ("runtime", "checkpoint")
+DEFAULT_APPLY: Apply = "runtime"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,6 +473,12 @@ class Instance:
     sha256: str = ""  # of the instance's files, set by the reader; identifies it in placements
     extra: dict = field(default_factory=dict, compare=False)  # provenance (generator parameters)
     performance: Performance | None = None  # the optional step-time block (placement.perfdata)
+    apply: Apply | None = None  # how the expert maps are applied; None: not stated (DEFAULT_APPLY)
+
+    @property
+    def apply_mode(self) -> Apply:
+        """:attr:`apply`, or :data:`DEFAULT_APPLY` when the instance does not state it."""
+        return self.apply if self.apply is not None else DEFAULT_APPLY
 
     @property
     def experts_per_rank(self) -> int:

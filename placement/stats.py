@@ -40,6 +40,7 @@ from placement.model import Instance
 __all__ = [
     "routing_stats", "total_variation", "expert_counts", "mean_pairwise_tv", "coactivation_share", "normalise",
     "routing_drift", "load_max_mean", "partner_share", "source_tv", "load_tv", "partner_overlap",
+    "partner_top", "realism_stats",
 ]
 
 
@@ -302,3 +303,37 @@ def partner_overlap(a: np.ndarray, b: np.ndarray, num_experts: int, top: int = 8
         out.append(float(np.mean([len(set(x) & set(y)) / top for x, y in zip(ta, tb)])))
     return np.array(out)
 
+
+
+def partner_top(num_experts: int) -> int:
+    """The partners :func:`realism_stats` counts: the same share of an expert's ``E - 1`` possible
+    partners as the top 8 of 63 in the trained 64-expert model (8 for 64 experts, 32 for 256), so that
+    the co-activation lift compares across expert counts (with a fixed 8, more experts alone raise it)."""
+    return max(1, round(8 * (num_experts - 1) / 63))
+
+
+def realism_stats(fit: np.ndarray, later: np.ndarray, num_experts: int, layers: np.ndarray | None = None) -> dict[str, float]:
+    """Medians over MoE layers of the three statistics that compare routing with the trained model's.
+
+    Parameters
+    ----------
+    fit : (num_moe_layers, sources, tokens, top_k) the sampled (fit) window.
+    later : the same shape but tokens: a later window (held-out) or a later checkpoint's routing.
+    num_experts : E.
+    layers : indices of the MoE layers to measure (default: all).
+
+    Returns
+    -------
+    ``load_max_over_mean`` (:func:`load_max_mean` of ``fit``), ``coactivation_lift`` (the
+    :func:`partner_share` of ``fit`` over independent routing's, on :func:`partner_top` partners) and
+    ``drift_load_tv`` (:func:`load_tv` of ``fit`` against ``later``).
+    """
+    if layers is not None:
+        fit, later = fit[layers], later[layers]
+    top = partner_top(num_experts)
+    lift = partner_share(fit, num_experts, top=top) / partner_share(fit, num_experts, top=top, null=True)
+    return {
+        "load_max_over_mean": float(np.median(load_max_mean(fit, num_experts))),
+        "coactivation_lift": float(np.median(lift)),
+        "drift_load_tv": float(np.median(load_tv(fit, later, num_experts))),
+    }

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Protocol
 
-from placement.model import Instance, MoveRequest, Placement
+from placement.model import Apply, Instance, MoveRequest, Placement
 
 __all__ = [
     "Consumer",
@@ -37,6 +37,7 @@ __all__ = [
     "Solver",
     "default_workers",
     "group_preserving_default",
+    "resolve_apply",
     "call_on_stop",
     "heuristic_result",
 ]
@@ -86,9 +87,12 @@ class SolveOptions:
     num_workers : CP-SAT workers / processes; defaults to the cores available.
     consumer : layout rule the rank placement must obey (``deepep``/``hybridep``: equal
         consecutive slices of each EP group per NVLink domain).
+    apply : how the expert maps reach the job, ``runtime`` (dispatch-time map: any map) or
+        ``checkpoint`` (offline renumbering of router and experts); ``None``: the instance's ``apply``
+        field, else ``runtime`` (:func:`resolve_apply`).
     group_preserving : only group-preserving expert permutations (required for checkpoint
         permutations under group-limited routing); ``None``: :func:`group_preserving_default`
-        (group-limited routing and ``layout="optimize"``).
+        (group-limited routing and ``apply`` ``checkpoint``).
     objective : ``step_time`` (the default): the predicted step time of
         :class:`placement.performance.StepTimeModel` on the evaluator's metrics, bytes as the
         tie-break (the rank layout ranks the candidates of both byte objectives by it; an instance
@@ -119,6 +123,7 @@ class SolveOptions:
     num_workers: int = field(default_factory=default_workers)
     consumer: Consumer = "none"
     group_preserving: bool | None = None
+    apply: Apply | None = None
     objective: Objective = "step_time"
     layout: LayoutMode = "optimize"
     deadline: float | None = None
@@ -151,37 +156,48 @@ class SolveOptions:
 
     def group_preserving_for(self, instance: Instance) -> bool:
         """Whether this solve keeps expert groups whole: :attr:`group_preserving` when given, else
-        :func:`group_preserving_default`."""
+        :func:`group_preserving_default` of :attr:`apply`."""
         if self.group_preserving is None:
-            return group_preserving_default(instance, self.layout)
+            return group_preserving_default(instance, self.apply)
         return self.group_preserving
+
+    def apply_for(self, instance: Instance) -> Apply:
+        """How this solve's maps are applied: :attr:`apply`, else the instance's, else ``runtime``."""
+        return resolve_apply(instance, self.apply)
 
     def report(self, message: str) -> None:
         if self.progress is not None:
             self.progress(message)
 
 
-def group_preserving_default(instance: Instance, layout: LayoutMode) -> bool:
-    """The expert-map mode when the caller says nothing (``group_preserving=None``, ``--group-preserving auto``).
+def group_preserving_default(instance: Instance, apply: Apply | None = None) -> bool:
+    """The expert-map mode when the caller gives no explicit ``group_preserving``: from how the map is applied.
 
-    Group preservation matters only under group-limited routing; there it is needed exactly where the
-    map is applied by renumbering the checkpoint (router included), and not where the consumer maps
-    logical experts to physical slots at dispatch time:
+    ``apply`` (default: the instance's ``apply`` field, else ``runtime``):
 
-    - ``layout="fixed"`` (serving: SGLang's ``--init-expert-location``, vLLM's expert maps, whose
-      launchers fix the ranks): they map logical -> physical natively, so any map is valid: free.
-    - ``layout="optimize"`` (training: Megatron-Core, TorchTitan, MaxText read no expert map): the
-      plain route is ``placement export --format megatron|torchtitan|maxtext`` and the checkpoint
-      permutation, which must keep groups whole: group-preserving.  With the dispatch-time map of
-      :mod:`placement.runtime` (Megatron-Core and TorchTitan, ``keep_router=True``) any map is valid;
-      ask for it with ``group_preserving=False`` (``--free``).
+    - ``runtime``: the consumer maps logical to physical experts at dispatch time
+      (:mod:`placement.runtime` hooks for Megatron-Core and TorchTitan, with the checkpoint permuted
+      with ``keep_router``; SGLang's ``--init-expert-location``; vLLM's expert maps): any map is
+      valid, so free maps.
+    - ``checkpoint``: the map is applied by renumbering router and experts in the checkpoint
+      (``placement export --format megatron|torchtitan|maxtext`` without ``--keep-router``), which
+      changes the routing unless every expert group stays whole under group-limited routing:
+      group-preserving there, free without group-limited routing.
 
     Examples
     --------
-    ``group_preserving_default(dsv3, "optimize")`` is True, ``group_preserving_default(dsv3, "fixed")``
+    ``group_preserving_default(dsv3, "checkpoint")`` is True, ``group_preserving_default(dsv3, "runtime")``
     is False, and both are False for a model without group-limited routing.
     """
-    return bool(instance.model.group_limited and layout == "optimize")
+    mode = resolve_apply(instance, apply)
+    return bool(instance.model.group_limited and mode == "checkpoint")
+
+
+def resolve_apply(instance: Instance, apply: Apply | None = None) -> Apply:
+    """``apply`` when given, else the instance's ``apply`` field, else :data:`placement.model.DEFAULT_APPLY`."""
+    if apply is not None:
+        return apply
+    return instance.apply_mode
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ from solvers.experts import (
 from solvers.kernels import keeps_expert_groups
 from solvers.registry import register
 
-__all__ = ["choose_rank2gpu", "clock_cut", "solve_cpsat", "equal_slices_breaks", "step_time_check"]
+__all__ = ["choose_rank2gpu", "clock_cut", "solve_cpsat", "equal_slices_breaks", "step_time_check",
+           "balanced_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -141,59 +142,90 @@ def _check_consumer(instance: Instance, rank2gpu: np.ndarray, options: SolveOpti
 
 def step_time_check(instance: Instance, options: SolveOptions, placement: Placement, layout_info: dict, *,
                     layout_phy2log: np.ndarray | None = None) -> dict:
-    """Under ``step_time``: the solved placement against the default placement (default layout,
-    contiguous experts) and, when given, the layout's own expert map on the same rank layout, in
-    predicted step time on the sampled window.
+    """Under ``step_time``: the solved placement against the other candidates, in predicted step time
+    on the sampled window at every setting of the model's uncertain terms, and the robust choice.
 
-    Returns ``{}`` for the byte objectives; else the predictions (``predicted_step_time_s`` of what
-    is returned, ``solved_predicted_step_time_s``, ``default_predicted_step_time_s``,
-    ``layout_map_predicted_step_time_s``; evaluator-based), ``fallback_to_default`` and
-    ``returned`` (``solved``, ``default placement`` or ``layout's expert map``); unless the solved
-    placement is returned, ``return_placement`` holds the placement to return instead (the caller
-    pops it).  An instance without a ``performance`` block gives ``{"skipped": ...}``; a consumer
-    rule the default layout breaks leaves the default out.
+    The candidates, in order of preference: the solved placement; when given, the layout's own
+    expert map on the same rank layout; balanced packings (:func:`balanced_candidates`: EPLB-style
+    load packing of the expert maps, on the solved rank layout and on the default one) where the
+    maps may break expert groups; the default placement (default layout, contiguous experts).  Each
+    is scored by the one evaluator (:func:`placement.cost.evaluate`) and the step-time model at the
+    ``low``, ``mid`` and ``high`` settings (:func:`placement.cost.setting_step_models`); the returned
+    one is the max-min-regret choice (:func:`placement.cost.max_min_regret`: the largest worst ratio,
+    over the settings, of the best candidate's step time of that setting to its own).
+
+    Returns ``{}`` for the byte objectives; else ``predicted_step_time_s`` (mid setting) of what is
+    returned, ``solved_predicted_step_time_s``, ``default_predicted_step_time_s``,
+    ``layout_map_predicted_step_time_s`` (mid), ``candidates`` (per name: step time per setting and
+    worst ratio), ``choice_by_setting`` (the candidate each setting alone would choose),
+    ``choice_differs``, ``fallback_to_default`` and ``returned`` (the chosen candidate's name); unless
+    the solved placement is returned, ``return_placement`` holds the placement to return instead (the
+    caller pops it).  An instance without a ``performance`` block gives ``{"skipped": ...}``; a
+    consumer rule the default layout breaks leaves the default layout's candidates out.
     """
     if options.objective != "step_time":
         return {}
-    from placement.cost import evaluate
-    from placement.performance import StepTimeModel
+    from placement.cost import evaluate, max_min_regret, setting_step_models
 
     try:
-        model = StepTimeModel(instance)
+        models = setting_step_models(instance)
     except ValueError:
         return {"skipped": "no performance block: step_time fell back to total"}
-    def step_s(p: Placement) -> float:
-        return float(model.step_time_s(evaluate(instance, p), p.rank2gpu))
-
-    solved_s = step_s(placement)
-    out: dict = {"solved_predicted_step_time_s": solved_s}
-    options_: list[tuple[float, int, str, Placement]] = [(solved_s, 0, "solved", placement)]
-    default_r2g = default_rank2gpu(instance)
-    if options.consumer in ("deepep", "hybridep") and equal_slices_breaks(instance, default_r2g):
-        out["default_skipped"] = f"the default layout breaks the {options.consumer} rule"
-    else:
-        m = instance.model
-        identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
-        default_placement = Placement(default_r2g, identity)
-        check = layout_info.get("evaluator_check") or {}
-        default_s = check.get("default_predicted_step_time_s")  # the layout's own evaluation of it
-        if default_s is None:
-            default_s = step_s(default_placement)
-        out["default_predicted_step_time_s"] = float(default_s)
-        options_.append((float(default_s), 2, "default placement", default_placement))
+    gp = bool(options.group_preserving_for(instance)) and instance.model.num_groups > 1
+    m = instance.model
+    cands: list[tuple[str, Placement]] = [("solved", placement)]
     if layout_phy2log is not None and not np.array_equal(layout_phy2log, placement.phy2log):
-        layout_placement = Placement(placement.rank2gpu, np.asarray(layout_phy2log, dtype=np.int64))
-        layout_s = step_s(layout_placement)
-        out["layout_map_predicted_step_time_s"] = layout_s
-        options_.append((layout_s, 1, "layout's expert map", layout_placement))
-    # strictly faster beats the solved maps (a relative tolerance keeps ties with the solved)
-    best = min(options_, key=lambda o: (o[0] * (1 + 1e-9) + 1e-12 if o[1] else o[0], o[1]))
-    out["predicted_step_time_s"] = best[0]
-    out["returned"] = best[2]
-    out["fallback_to_default"] = best[2] == "default placement"
-    if best[1]:
-        out["return_placement"] = best[3]
+        cands.append(("layout's expert map", Placement(placement.rank2gpu, np.asarray(layout_phy2log, dtype=np.int64))))
+    default_r2g = default_rank2gpu(instance)
+    default_ok = not (options.consumer in ("deepep", "hybridep") and equal_slices_breaks(instance, default_r2g))
+    out: dict = {}
+    if not gp:  # balanced packings break expert groups: only where any map is valid
+        layouts = [("solved layout", placement.rank2gpu)]
+        if default_ok and not np.array_equal(default_r2g, placement.rank2gpu):
+            layouts.append(("default layout", default_r2g))
+        cands.extend(balanced_candidates(instance, layouts))
+    if default_ok:
+        identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
+        cands.append(("default placement", Placement(default_r2g, identity)))
+    else:
+        out["default_skipped"] = f"the default layout breaks the {options.consumer} rule"
+    seen: dict[tuple[bytes, bytes], dict[str, float]] = {}
+    times: list[dict[str, float]] = []
+    for _, p in cands:
+        key = (np.asarray(p.rank2gpu).tobytes(), np.asarray(p.phy2log).tobytes())
+        if key not in seen:
+            metrics = evaluate(instance, p)
+            seen[key] = {s: float(model.step_time_s(metrics, p.rank2gpu)) for s, model in models.items()}
+        times.append(seen[key])
+    choice = max_min_regret(times)
+    mid = "mid" if "mid" in times[0] else next(iter(times[0]))
+    names = [name for name, _ in cands]
+    out["solved_predicted_step_time_s"] = times[0][mid]
+    for name, out_key in (("default placement", "default_predicted_step_time_s"),
+                          ("layout's expert map", "layout_map_predicted_step_time_s")):
+        if name in names:
+            out[out_key] = times[names.index(name)][mid]
+    out["candidates"] = {name: {"predicted_step_time_s": t, "worst_ratio": w}
+                         for name, t, w in zip(names, times, choice.worst_ratio)}
+    out["choice_by_setting"] = {s: names[i] for s, i in choice.best_by_setting.items()}
+    out["choice_differs"] = choice.differs
+    out["predicted_step_time_s"] = times[choice.index][mid]
+    out["returned"] = names[choice.index]
+    out["fallback_to_default"] = names[choice.index] == "default placement"
+    if choice.index:
+        out["return_placement"] = cands[choice.index][1]
     return out
+
+
+def balanced_candidates(instance: Instance, layouts: list[tuple[str, np.ndarray]]) -> list[tuple[str, Placement]]:
+    """Cheap load-balanced expert maps for each named rank layout: per layer, whole expert groups
+    packed onto the NVLink domains by load, then experts onto the EP ranks by load
+    (:func:`solvers.kernels.balanced_phy2log`, EPLB's hierarchical packing).  Named
+    ``balanced packing, <layout name>``; any map (they may break expert groups)."""
+    from solvers.kernels import balanced_phy2log
+
+    return [(f"balanced packing, {name}", Placement(np.asarray(r2g, dtype=np.int64), balanced_phy2log(instance, r2g)))
+            for name, r2g in layouts]
 
 
 @register("cpsat")
@@ -212,7 +244,8 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     if options.objective == "step_time":  # keep the wall time of the step-time check's evaluator runs
         from solvers.layout.plan import EVAL_S_PER_EXPERT_ID
 
-        check_s = 3 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
+        # up to five candidates, each evaluated once (the settings reuse its metrics)
+        check_s = 5 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
         expert_deadline = max(time.monotonic(), deadline - check_s)
     move_plan = None
     if options.moves is not None:  # move-aware re-placement (solvers/experts/moves.py)
@@ -238,13 +271,14 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         objective_bytes = float(evaluate(instance, placement).cross_domain_bytes_per_step)
         if bound_bytes is not None:  # a bound over the layout's maps and the returned placement
             bound_bytes = min(bound_bytes, objective_bytes)
-        log.warning("cpsat: the solved expert maps predict a slower step than %s; returning it "
-                    "(details['step_time_check'])", step_check["returned"])
+        log.info("cpsat: %s is the robust choice over the step-time model's settings; returning it "
+                 "(details['step_time_check'])", step_check["returned"])
     params = {
         "layout": options.layout,
         "layout_source": layout_info["source"],
         "consumer": options.consumer,
         "group_preserving": gp,
+        "apply": options.apply_for(instance),
         "objective": options.objective,
         "num_workers": int(options.num_workers),
         "seed": int(options.seed),

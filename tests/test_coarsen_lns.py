@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from placement.model import InvalidInputError
 from solvers.experts import build_layer_problem, linear_costs, net_crossings
 from solvers.experts.budget import StopCheck
 from solvers.experts.coarsen import (
@@ -223,22 +224,41 @@ def test_lns_stops_at_once_past_its_deadline():
 # ---------------------------------------------------------------------------------------------
 # The mode when nothing is said, and the overrides
 # ---------------------------------------------------------------------------------------------
-def test_group_preserving_default_follows_the_consumer_route(tiny):
-    from placement.cli import build_parser
-    from solvers.base import SolveOptions, group_preserving_default
+def test_group_preserving_default_follows_the_apply_mode(tiny):
+    import dataclasses
 
-    assert tiny.model.group_limited
-    assert group_preserving_default(tiny, "optimize") and not group_preserving_default(tiny, "fixed")
-    assert SolveOptions(layout="optimize").group_preserving_for(tiny)
-    assert not SolveOptions(layout="fixed").group_preserving_for(tiny)
-    assert SolveOptions(layout="fixed", group_preserving=True).group_preserving_for(tiny)  # explicit wins
-    assert not SolveOptions(layout="optimize", group_preserving=False).group_preserving_for(tiny)
+    from placement.cli import build_parser
+    from solvers.base import SolveOptions, group_preserving_default, resolve_apply
+
+    assert tiny.model.group_limited and tiny.apply is None
+    assert resolve_apply(tiny) == "runtime"  # not stated: the dispatch-time map
+    assert group_preserving_default(tiny, "checkpoint") and not group_preserving_default(tiny, "runtime")
+    assert not group_preserving_default(tiny)
+    assert group_preserving_default(dataclasses.replace(tiny, apply="checkpoint"))  # the instance says it
+    assert not group_preserving_default(dataclasses.replace(tiny, apply="checkpoint"), "runtime")  # the caller wins
+    assert SolveOptions(apply="checkpoint").group_preserving_for(tiny)
+    assert not SolveOptions().group_preserving_for(tiny)
+    assert SolveOptions(apply="runtime", group_preserving=True).group_preserving_for(tiny)  # explicit wins
+    assert not SolveOptions(apply="checkpoint", group_preserving=False).group_preserving_for(tiny)
     free = random_instance(np.random.default_rng(0), num_groups=2, groups_per_token=2)  # not group-limited
-    assert not group_preserving_default(free, "optimize")
+    assert not group_preserving_default(free, "checkpoint")
     parse = build_parser().parse_args
     assert parse(["solve", "x.json", "--free"]).group_preserving == "off"
-    assert parse(["solve", "x.json"]).group_preserving == "auto"
+    assert parse(["solve", "x.json"]).group_preserving == "auto" and parse(["solve", "x.json"]).apply is None
     assert parse(["solve", "x.json", "--group-preserving", "on"]).group_preserving == "on"
+    assert parse(["solve", "x.json", "--apply", "checkpoint"]).apply == "checkpoint"
+
+
+def test_checkpoint_apply_solves_group_preserving_maps_and_refuses_free_ones(tiny):
+    import placement
+    from placement.checker import violates_group_preservation
+
+    r = placement.solve(tiny, time_limit_s=10, seed=0, num_workers=1, apply="checkpoint")
+    assert violates_group_preservation(tiny, r.placement) == [] and r.params["apply"] == "checkpoint"
+    with pytest.raises(InvalidInputError, match="group_preserving: free maps cannot be applied by a checkpoint"):
+        placement.solve(tiny, time_limit_s=10, num_workers=1, apply="checkpoint", group_preserving=False)
+    with pytest.raises(InvalidInputError, match="apply: expected one of runtime, checkpoint"):
+        placement.solve(tiny, time_limit_s=10, num_workers=1, apply="offline")  # type: ignore[arg-type]
 
 
 def test_fixed_layout_solves_free_maps_by_default(tiny):

@@ -143,7 +143,7 @@ def test_group_preserving_mode_returns_the_brute_force_optimum_and_keeps_groups(
     rng = np.random.default_rng(seed)
     inst, r2g = _straddling(rng, num_experts=8, top_k=2, ep=4, dp=4, pp=2, num_domains=3, trays_per_domain=2,
                             gpus_per_tray=2, tokens=10, moe_layers=2, num_groups=2, groups_per_token=1)
-    opts = SolveOptions(time_limit_s=30, seed=0, num_workers=1)
+    opts = SolveOptions(time_limit_s=30, seed=0, num_workers=1, apply="checkpoint")
     assert opts.group_preserving_for(inst)
     plan = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, validation_fraction=0.0, deterministic_time=20.0)
     pl = Placement(r2g, plan.phy2log)
@@ -200,7 +200,10 @@ def test_never_worse_than_the_default_on_the_validation_part(tiny):
 def test_same_seed_same_maps_in_process_and_in_a_pool(tiny):
     inst = tiny.for_solver()
     r2g = default_rank2gpu(inst)
-    plans = [place_experts(inst, r2g, SolveOptions(time_limit_s=8, seed=3, num_workers=w), deadline=time.monotonic() + 60,
+    # apply checkpoint: the group-preserving search, whose tiny layers never reach CP-SAT's wall-clock cut (free
+    # layers run CP-SAT with a wall limit that a loaded machine can hit, which the details then record).
+    plans = [place_experts(inst, r2g, SolveOptions(time_limit_s=8, seed=3, num_workers=w, apply="checkpoint"),
+                           deadline=time.monotonic() + 60,
                            deterministic_time=0.5, use_pool=w > 1)
              for w in (1, 1, 2)]
     assert np.array_equal(plans[0].phy2log, plans[1].phy2log)

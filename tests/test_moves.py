@@ -257,20 +257,21 @@ def test_cli_previous_default_with_a_zero_budget_writes_the_default_placement(tm
     assert doc["phy2log"] == want.phy2log.tolist() and doc["rank2gpu"] == want.rank2gpu.tolist()
 
 
-def test_an_auto_re_placement_keeps_groups_whole_and_accepts_only_a_group_preserving_previous(tiny):
-    """With ``group_preserving=None`` a re-placement of a group-limited model keeps expert groups whole
-    (a running training job's rule), although its rank layout is fixed; the check of the previous
-    placement applies the same rule, and ``group_preserving=False`` takes a free previous map."""
+def test_a_checkpoint_re_placement_keeps_groups_whole_and_accepts_only_a_group_preserving_previous(tiny):
+    """With ``apply="checkpoint"`` a re-placement of a group-limited model keeps expert groups whole
+    although its rank layout is fixed; the check of the previous placement applies the same rule, and
+    the default ``apply="runtime"`` takes a free previous map."""
     from placement.checker import violates_group_preservation
 
     assert tiny.model.group_limited
     prev = default_placement(tiny)
-    r = placement.solve(tiny, time_limit_s=10, num_workers=1, previous=prev, move_cost=0.0)
+    r = placement.solve(tiny, time_limit_s=10, num_workers=1, previous=prev, move_cost=0.0, apply="checkpoint")
     assert violates_group_preservation(tiny, r.placement) == []
     assert r.details["moves"]["moved_replicas"] > 0  # it did re-place
-    free = placement.solve(tiny, time_limit_s=10, num_workers=1, layout="fixed")  # the fixed layout's free maps
+    free = placement.solve(tiny, time_limit_s=10, num_workers=1, layout="fixed")  # runtime: free maps
     assert violates_group_preservation(tiny, free.placement) != []
-    with pytest.raises(InvalidInputError, match="previous: phy2log: .*group_preserving off"):
-        placement.solve(tiny, time_limit_s=10, num_workers=1, previous=free.placement, move_cost=0.0)
-    again = placement.solve(tiny, time_limit_s=10, num_workers=1, previous=free.placement, group_preserving=False)
+    with pytest.raises(InvalidInputError, match="previous: phy2log: .*re-place with apply runtime"):
+        placement.solve(tiny, time_limit_s=10, num_workers=1, previous=free.placement, move_cost=0.0,
+                        apply="checkpoint")
+    again = placement.solve(tiny, time_limit_s=10, num_workers=1, previous=free.placement)
     assert np.array_equal(again.placement.rank2gpu, free.placement.rank2gpu)

@@ -420,3 +420,22 @@ def test_kahypar_stops_at_the_deadline_with_a_valid_placement(tiny):
     assert result.details["unsolved_layers"] == list(range(tiny.model.num_moe_layers))
     assert check(tiny, result.placement) == []
     assert (result.placement.phy2log == default_placement(tiny).phy2log).all()
+
+
+# --------------------------------------------------------------------------------------------- ours vs peers
+def test_ours_default_mode_predicts_at_least_every_peer_held_out_tflops_at_every_setting(tiny):
+    """issue 21 item 6 on the small instance: ours in its default mode (apply runtime, step_time) against
+    every peer of benchmarks/peers.py, in predicted held-out TFLOP/s per GPU at the low, mid and high
+    settings of the step-time model."""
+    import placement
+    from placement.performance import SETTINGS
+
+    ours = placement.solve(tiny, time_limit_s=10, seed=0, num_workers=1)
+    assert ours.params["apply"] == "runtime"
+    for name in ["default", *PEERS]:
+        if name == "kahypar":
+            pytest.importorskip("mtkahypar")
+        peer = placement.solve(tiny, solver=name, time_limit_s=30, seed=0, num_workers=1)
+        for setting in SETTINGS:
+            key = f"heldout_predicted_tflops_per_gpu_{setting}"
+            assert ours.metrics[key] >= peer.metrics[key] * (1 - 1e-9), (name, setting, ours.metrics[key], peer.metrics[key])

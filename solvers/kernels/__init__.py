@@ -6,6 +6,7 @@
 - :mod:`solvers.kernels.packing`: longest-processing-time packing with cardinality limits.
 - :mod:`solvers.kernels.classes`: domain classes, the EP ranks that share a domain in every EP group.
 - :mod:`solvers.kernels.expert_groups`: whether expert maps keep expert groups whole.
+- :mod:`solvers.kernels.balanced`: load-balanced expert maps, EPLB-style hierarchical packing.
 - :mod:`solvers.kernels.crossings`: crossings of weighted nets and bytes per crossing, both from
   the primitives :mod:`placement.cost` exports.
 
@@ -14,6 +15,7 @@ instance's sizes only).
 """
 
 from solvers.kernels.assignment import assign_to_counts
+from solvers.kernels.balanced import balanced_phy2log
 from solvers.kernels.classes import domain_classes
 from solvers.kernels.crossings import bytes_per_crossing, net_crossings_of
 from solvers.kernels.expert_groups import keeps_expert_groups
@@ -21,4 +23,4 @@ from solvers.kernels.packing import lpt_pack
 from solvers.kernels.swap import NetSwapSearch
 
 __all__ = ["assign_to_counts", "domain_classes", "bytes_per_crossing", "net_crossings_of", "lpt_pack",
-           "NetSwapSearch", "keeps_expert_groups"]
+           "NetSwapSearch", "keeps_expert_groups", "balanced_phy2log"]

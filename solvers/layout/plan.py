@@ -148,12 +148,16 @@ class LayoutPlanner:
         # objective of the footprint search running now (under ``step_time`` both passes run).
         self.rank_objective: str = options.objective
         self.step_model = None
+        self.setting_models: dict = {}
         self.step_fallback: str | None = None
         if self.rank_objective == "step_time":
             from placement.performance import StepTimeModel
 
             try:
                 self.step_model = StepTimeModel(instance)
+                from placement.cost import setting_step_models
+
+                self.setting_models = setting_step_models(instance)
             except ValueError:
                 self.rank_objective = "total"
                 self.step_fallback = ("the instance has no performance block, so no step time can be predicted: "
@@ -409,17 +413,19 @@ class LayoutPlanner:
 
     def choose_step_time(self) -> Candidate:
         """Under ``step_time``: every candidate (and the default layout with contiguous experts)
-        scored by the evaluator on its expert map, ranked by predicted step time, then the
-        evaluator's bytes, then the later (more refined) candidate; the default with contiguous
-        experts is one of them, so the pick never predicts a slower step than it.  When the clock
-        cut the work, only the best candidate by the estimate's slowest stage and the default layout
-        are evaluated."""
+        scored by the evaluator on its expert map at every setting of the step-time model, the
+        max-min-regret one chosen (:func:`placement.cost.max_min_regret`; ties by predicted step
+        time at the instance's own setting, then the evaluator's bytes, then the later, more
+        refined candidate); the default with contiguous
+        experts is one of them, so the pick's worst ratio over the settings is never below its.  When the clock
+        cut the work, only the best candidate by the estimate's slowest stage and the peers' layouts
+        (default and packed, scored first whatever the budget) are evaluated."""
         instance, budget, identity, model = self.instance, self.budget, self.identity, self.step_model
         assert model is not None
         cands = self.cands
         order = sorted(cands, key=lambda c: rank_key(c.estimate, "bottleneck") + (-cands.index(c),))
-        if budget.cut:  # the best by the estimate, and the default layout (its map balanced)
-            order = order[:1] + [c for c in order[1:] if c.name == "default"]
+        if budget.cut:  # the best by the estimate, and the peers' layouts scored first (their maps balanced)
+            order = order[:1] + [c for c in order[1:] if c.name in ("default", "packed")]
         pool: list[tuple[Candidate, dict]] = []
         if self.default_ok:
             order.append(Candidate("default, contiguous experts", self.default_r2g, {"phy2log": identity}))
@@ -435,6 +441,8 @@ class LayoutPlanner:
                 budget.charge(self.eval_s)
                 metrics = evaluate(instance, Placement(c.rank2gpu, c.estimate["phy2log"]))
                 seen[key] = {"predicted_step_time_s": model.step_time_s(metrics, c.rank2gpu),
+                             "by_setting": {s: float(sm.step_time_s(metrics, c.rank2gpu))
+                                            for s, sm in self.setting_models.items()},
                              "total_bytes": float(metrics.cross_domain_bytes_per_step),
                              "metrics": metrics}
             pool.append((c, seen[key]))
@@ -446,7 +454,13 @@ class LayoutPlanner:
             c, ev = item
             return (ev["predicted_step_time_s"], ev["total_bytes"], -rank.get(c.name, -1))
 
-        best, ev = min(pool, key=key_of)
+        # The max-min-regret choice over the model's settings (placement.cost.max_min_regret), ties
+        # to the faster at the instance's own setting, then fewer bytes, then the later candidate.
+        from placement.cost import max_min_regret
+
+        ranked = sorted(pool, key=key_of)
+        choice = max_min_regret([e["by_setting"] for _, e in ranked])
+        best, ev = ranked[choice.index]
         if best.name == "default, contiguous experts":
             best = Candidate(best.name, best.rank2gpu, estimate_from_metrics(ev["metrics"], identity))
         cand_info = {c.name: {"estimated_total_bytes": c.estimate["total_bytes"],
@@ -461,6 +475,8 @@ class LayoutPlanner:
             "default_predicted_step_time_s": default_s,
             "chosen_predicted_step_time_s": ev["predicted_step_time_s"],
             "candidates_evaluated": len(seen),
+            "choice_by_setting": {s: ranked[i][0].name for s, i in choice.best_by_setting.items()},
+            "choice_differs": choice.differs,
         }
         return best
 
