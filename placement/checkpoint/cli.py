@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-layers", type=int, default=None, help="DCP formats: decoder layers (MTP layer J is num_layers + J)")
     parser.add_argument("--workers", type=int, default=1, help="DCP formats: local processes, one storage file each")
     parser.add_argument(
-        "--cache-mb", type=int, default=256, help="DCP formats: MB of source chunks a worker keeps (its memory ceiling)"
+        "--cache-mb", type=int, default=64, help="DCP formats: MB of source chunks a worker keeps (its memory ceiling)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)

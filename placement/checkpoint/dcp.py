@@ -43,7 +43,7 @@ from placement.permutation import PARAMETER_NAMES, check_permutation, read_exper
 __all__ = ["permute_dcp", "DcpStats", "COPY_PIECE_BYTES", "DEFAULT_CACHE_BYTES"]
 
 COPY_PIECE_BYTES = 16 << 20  # raw copies go through a buffer of this size
-DEFAULT_CACHE_BYTES = 256 << 20  # source chunks kept for reuse by a worker
+DEFAULT_CACHE_BYTES = 64 << 20  # source chunks kept for reuse by a worker
 JOURNAL = ".placement-journal"
 _DONE = "done.json"
 
@@ -308,6 +308,10 @@ class _ChunkIndex:
                     self._exact[(fqn, tuple(int(x) for x in c.offsets))] = c
         self._sorted: dict[str, tuple[list[tuple[int, ...]], list[Any]]] = {}
 
+    def exact(self, fqn: str, offsets: tuple[int, ...]) -> Any:
+        """The stored chunk of ``fqn`` that starts at ``offsets``."""
+        return self._exact[(fqn, offsets)]
+
     def overlapping(self, fqn: str, off: tuple[int, ...], size: tuple[int, ...]) -> list[Any]:
         c = self._exact.get((fqn, off))
         if c is not None and all(o + s <= co + cs for o, s, co, cs in zip(off, size, c.offsets, c.sizes)):
@@ -503,6 +507,17 @@ def _permute_file(spec: _Spec, rel: str) -> dict[str, Any]:
     """Write ``tmp/rel`` from ``src/rel``; return (and journal) its items' new storage records."""
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # copies of small pieces: the intra-op pool only spins (one file per worker)
+    try:
+        return _permute_file_body(spec, rel)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _permute_file_body(spec: _Spec, rel: str) -> dict[str, Any]:
+    import torch
+
     plan = _plan_for(spec)
     src, tmp = Path(spec.src), Path(spec.tmp)
     journal = tmp / JOURNAL / (rel + ".json")
@@ -511,12 +526,6 @@ def _permute_file(spec: _Spec, rel: str) -> dict[str, Any]:
     items = sorted(
         ((idx, info) for idx, info in plan.md.storage_data.items() if info.relative_path == rel), key=lambda x: x[1].offset
     )
-    chunks: dict[tuple[str, tuple[int, ...]], Any] = {}
-    for idx, _ in items:
-        if idx.offset is not None:
-            item = plan.md.state_dict_metadata[idx.fqn]
-            for c in item.chunks:
-                chunks[(idx.fqn, tuple(int(x) for x in c.offsets))] = c
     cache = _Cache(src, plan, spec.cache_bytes)
     records = []
     part = tmp / (rel + ".part")
@@ -527,7 +536,7 @@ def _permute_file(spec: _Spec, rel: str) -> dict[str, Any]:
             start = fout.tell()
             new = None
             if idx.offset is not None and idx.fqn in plan.tensors:
-                new = _assemble(plan, cache, idx.fqn, chunks[(idx.fqn, tuple(int(x) for x in idx.offset))])
+                new = _assemble(plan, cache, idx.fqn, plan.chunks.exact(idx.fqn, tuple(int(x) for x in idx.offset)))
             descriptors = getattr(info, "transform_descriptors", None)
             if new is not None:
                 torch.save(new, fout)
