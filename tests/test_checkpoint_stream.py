@@ -223,12 +223,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def test_peak_memory_does_not_grow_with_the_checkpoint(tmp_path):
-    """A ~300 MB and a ~3 MB checkpoint of the same layout: the permuting process's peak resident
+    """A ~190 MB and a ~3 MB checkpoint of the same layout: the permuting process's peak resident
     memory differs by far less than the checkpoints do (the whole-checkpoint reader it replaces
     grew by the checkpoint's size)."""
     peaks, sizes = [], []
     for name, shape in (("small", Shape(moe_layers=1, hidden=32, moe_ffn=16, dense_ffn=32, experts=64, vocab=256)),
-                        ("large", Shape(moe_layers=3, hidden=256, moe_ffn=128, dense_ffn=256, experts=64, vocab=256))):
+                        ("large", Shape(moe_layers=2, hidden=256, moe_ffn=128, dense_ffn=256, experts=64, vocab=256))):
         root = tmp_path / name
         root.mkdir()
         layout = write_checkpoint(root / "src", shape)
@@ -241,5 +241,5 @@ def test_peak_memory_does_not_grow_with_the_checkpoint(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         peaks.append(int(proc.stdout.split()[-1]))
-    assert sizes[1] > 250e6 and sizes[0] < 10e6
+    assert sizes[1] > 150e6 and sizes[0] < 10e6
     assert peaks[1] - peaks[0] < 0.15 * (sizes[1] - sizes[0]), (peaks, sizes)
