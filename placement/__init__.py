@@ -3,7 +3,9 @@
 The public API (see :mod:`placement.api`): :func:`load_instance`, :func:`solve`,
 :func:`evaluate_placement`, :func:`check_placement`, :func:`save_result`,
 :func:`verify_placement`, :func:`export_placement`, :class:`SignalStop`; recorded routing in with
-:func:`import_routing` / :func:`save_instance`, checked with :func:`routing_stats`;
+:func:`import_routing` / :func:`save_instance`, checked with :func:`routing_stats`; the cluster
+as the scheduler sees it with :func:`cluster_from_slurm`, :func:`cluster_from_kubernetes`,
+:func:`cluster_from_nvidia_smi` (:func:`write_cluster`), a job's hosts with :func:`allocate`;
 the model in :mod:`placement.model`; the cost model in :mod:`placement.cost`.  Every error raised
 on purpose is a :class:`PlacementError`; its ``exit_code`` is what the CLI exits with.
 """
@@ -12,6 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from placement.api import (
     DEFAULT_SOLVER,
+    allocate,
+    allocate_cluster,
+    allocation_hosts,
+    cluster_from_kubernetes,
+    cluster_from_nvidia_smi,
+    cluster_from_slurm,
+    write_cluster,
     FINISH_RESERVE_S,
     Interrupted,
     SignalStop,
@@ -23,6 +32,7 @@ from placement.api import (
     load_instance,
     load_placement,
     predict_performance,
+    calibrate,
     result_document,
     routing_stats,
     save_instance,
@@ -72,6 +82,7 @@ __all__ = [
     "check_placement",
     "evaluate_placement",
     "predict_performance",
+    "calibrate",
     "solver_names",
     "estimate_finish_s",
     "solver_budget_s",
@@ -83,6 +94,13 @@ __all__ = [
     "import_routing",
     "save_instance",
     "routing_stats",
+    "cluster_from_slurm",
+    "cluster_from_kubernetes",
+    "cluster_from_nvidia_smi",
+    "write_cluster",
+    "allocate",
+    "allocate_cluster",
+    "allocation_hosts",
     "SignalStop",
     "Interrupted",
     "SolveOptions",

@@ -41,13 +41,17 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import numpy as np
+
 from placement.checker import check, check_or_raise
 from placement.cost import Window, evaluate, report
 from placement.formats import placement_document, read_instance, read_placement, write_placement
-from placement.model import Instance, InvalidInputError, Placement, PlacementError, SolverError
+from placement.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
+from placement.model import Cluster, Instance, InvalidInputError, Placement, PlacementError, SolverError
 from placement.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
+    from placement.calibration import Calibration
     from placement.verify import VerifyReport
     from solvers.base import Consumer, Fit, LayoutMode, Objective, SolveResult
 
@@ -62,6 +66,7 @@ __all__ = [
     "check_placement",
     "evaluate_placement",
     "predict_performance",
+    "calibrate",
     "solver_names",
     "estimate_finish_s",
     "solver_budget_s",
@@ -76,6 +81,13 @@ __all__ = [
     "import_routing",
     "save_instance",
     "routing_stats",
+    "allocate",
+    "allocate_cluster",
+    "allocation_hosts",
+    "cluster_from_slurm",
+    "cluster_from_kubernetes",
+    "cluster_from_nvidia_smi",
+    "write_cluster",
 ]
 
 DEFAULT_SOLVER = "cpsat"
@@ -169,6 +181,26 @@ def predict_performance(instance: Instance, placement: Placement, *, window: Win
     return StepTimeModel(instance).predict_metrics(metrics, placement.rank2gpu)
 
 
+def calibrate(
+    rows: str | os.PathLike[str] | None = None, fit: Sequence[str] = ("gemm_efficiency",)
+) -> Calibration:
+    """Predict the measured runs of a ladder file and fit the step-time model on its ``fit`` rows.
+
+    Parameters
+    ----------
+    rows : a ladder file (docs/formats.md); ``None`` = the published ladder shipped with the package.
+    fit : parameters to fit (:data:`placement.calibration.FITTABLE`).
+
+    Returns
+    -------
+    :class:`placement.calibration.Calibration`: every row's prediction and error, the fitted values,
+    the median absolute error of the rows not fitted and the fitted ``performance`` block.
+    """
+    from placement.calibration import calibrate as _calibrate, default_ladder_path, read_ladder
+
+    return _calibrate(read_ladder(default_ladder_path() if rows is None else rows), fit)
+
+
 def solver_names() -> list[str]:
     """The registered solver names, sorted (what ``solver=`` accepts)."""
     from solvers import SOLVERS
@@ -242,6 +274,7 @@ def solve(
     *,
     solver: str = DEFAULT_SOLVER,
     time_limit_s: float = 60.0,
+    wall_limit_s: float | None = None,
     seed: int = 0,
     num_workers: int | None = None,
     consumer: Consumer = "none",
@@ -249,6 +282,7 @@ def solve(
     objective: Objective = "step_time",
     layout: LayoutMode = "optimize",
     progress: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     started_at: float | None = None,
     stop_event: threading.Event | None = None,
     finish_reserve_s: float | None = None,
@@ -268,6 +302,11 @@ def solve(
     solver : a name from :func:`solver_names`.
     time_limit_s : wall-clock budget of the whole call, counted from ``started_at``; the solver
         works for :func:`solver_budget_s` and returns by the wall deadline at the latest.
+    wall_limit_s : the wall-clock safety net when it should differ from ``time_limit_s`` (default:
+        ``time_limit_s``): the call returns by ``started_at + wall_limit_s`` while its work is still
+        sized by ``time_limit_s`` alone (:func:`solver_budget_s`).  ``placement.plan`` gives its
+        solves a net a few times their budget, so that a loaded machine does not cut them; when the
+        net does cut some work, ``SolveResult.wall_clock_cut`` says so.
     seed : random seed in ``[0, MAX_SEED]``; the same instance, seed and options give the same
         placement when the solver finishes before its deadline.
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
@@ -283,6 +322,9 @@ def solve(
         ``bottleneck`` (slowest stage's busiest NIC).
     layout : ``optimize`` the rank -> GPU map, or keep the default one (``fixed``).
     progress : called with one-line progress messages (never printed by the library).
+    on_progress : called with ``(MoE layers whose expert map is finished, MoE layers to place)`` as
+        layers finish (``cpsat``; a :data:`placement.progress.ProgressCallback`, e.g. a bar's
+        ``report``); it only observes, the placement does not depend on it.
     started_at : ``time.monotonic()`` instant the budget started (default: now).
     stop_event : when set (by another thread, a signal handler), the solver returns the best
         placement found so far; ``details["interrupted"]`` is then True.
@@ -327,6 +369,9 @@ def solve(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s
     )
     from solvers.base import FITS
+    if wall_limit_s is not None and (isinstance(wall_limit_s, bool) or not isinstance(wall_limit_s, (int, float))
+                                     or not (math.isfinite(wall_limit_s) and wall_limit_s > 0)):
+        raise InvalidInputError(f"wall_limit_s: expected a positive, finite number of seconds, found {wall_limit_s!r}")
 
     if not isinstance(fit, str) or fit not in FITS:
         raise InvalidInputError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
@@ -354,8 +399,9 @@ def solve(
         objective=objective,
         layout=layout,
         # May already have passed (loading ate the budget): solvers then return what they have.
-        deadline=start + time_limit_s - reserve,
+        deadline=start + (time_limit_s if wall_limit_s is None else wall_limit_s) - reserve,
         progress=progress,
+        on_progress=on_progress,
         stop_event=stop_event,
         moves=move_request,
         fit=fit,
@@ -623,6 +669,7 @@ def import_routing(
     heldout_steps: int | None = None,
     max_tokens_per_source: int | None = None,
     windows: int = 1,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Instance:
     """An instance whose routing windows come from a stack's recorded traces.
 
@@ -641,6 +688,8 @@ def import_routing(
         (default :data:`placement.importers.DEFAULT_MAX_TOKENS_PER_SOURCE`).
     windows : cut the fit steps into this many time-ordered sampled windows
         (``routing.window_tokens``, what ``solve(fit=...)`` weighs); 1 = one sampled window.
+    on_progress : called with ``(bytes of trace files read, bytes of all trace files)`` as they are
+        scanned (a :data:`placement.progress.ProgressCallback`); it only observes.
 
     Returns
     -------
@@ -667,6 +716,7 @@ def import_routing(
         heldout_steps=heldout_steps,
         max_tokens_per_source=DEFAULT_MAX_TOKENS_PER_SOURCE if max_tokens_per_source is None else max_tokens_per_source,
         windows=windows,
+        on_progress=on_progress,
     )
 
 
@@ -684,3 +734,47 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
     if isinstance(distance, bool) or not isinstance(distance, int) or distance < 1:
         raise InvalidInputError(f"distance: expected a positive integer, found {distance!r}")
     return _stats(instance, distance=distance)
+
+
+def allocation_hosts(allocation: str | Sequence[str]) -> list[str]:
+    """The host names of an allocation: a Slurm host list (``gb[001-018,025]``, as in
+    ``SLURM_JOB_NODELIST``) or a sequence of names."""
+    from placement.discovery import expand_hostlist
+
+    if isinstance(allocation, str):
+        hosts = expand_hostlist(allocation)
+    else:
+        hosts = [str(h) for h in allocation]
+    if not hosts:
+        raise InvalidInputError("--allocation: empty host list")
+    return hosts
+
+
+def allocate(instance: Instance, allocation: str | Sequence[str]) -> Instance:
+    """``instance`` restricted to the hosts of ``allocation``: every other host's GPUs unavailable.
+
+    The instance keeps its ``sha256``: a placement solved for the allocation is a valid placement
+    of the instance file (it uses a subset of its available GPUs), so ``placement export`` and
+    ``placement verify`` take the instance file as it is.  Hosts of the allocation that the
+    instance marks unavailable stay unavailable.
+
+    Raises
+    ------
+    InvalidInputError
+        A host the cluster does not have (named), or an empty allocation.
+    """
+    return dataclasses.replace(instance, cluster=allocate_cluster(instance.cluster, allocation))
+
+
+def allocate_cluster(cluster: Cluster, allocation: str | Sequence[str]) -> Cluster:
+    """``cluster`` with only the hosts of ``allocation`` available (see :func:`allocate`)."""
+    hosts = allocation_hosts(allocation)
+    index = cluster.host_index
+    unknown = [h for h in hosts if h not in index]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise InvalidInputError(f"--allocation: host {unknown[0]!r} is not in the cluster{more}")
+    keep = np.zeros(cluster.num_domains * cluster.trays_per_domain, dtype=bool)
+    keep[[index[h] for h in hosts]] = True
+    available = np.asarray(cluster.available) & np.repeat(keep, cluster.gpus_per_tray)
+    return dataclasses.replace(cluster, available=available)

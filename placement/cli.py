@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 from placement.api import Interrupted, SignalStop
 from placement.model import InvalidInputError, PlacementError
+from placement.progress import Progress
+from placement.progress import progress as progress_bar
 
 if TYPE_CHECKING:
     from placement.model import Instance
@@ -116,14 +118,18 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _progress_printer() -> Callable[[str], None] | None:
-    if not sys.stderr.isatty():
+def _progress_printer(bar: Progress) -> Callable[[str], None] | None:
+    """One-line messages above ``bar`` when it is drawn (a terminal, no ``--quiet``), else None."""
+    if not bar.active:
         return None
 
     def show(msg: str) -> None:
-        print(f"[placement] {msg}", file=sys.stderr, flush=True)
+        bar.write(f"[placement] {msg}")
 
     return show
+
+
+_QUIET_HELP = "no progress bar or messages on stderr (they appear only on a terminal; output files never change)"
 
 
 def _check_output_path(path: str) -> None:
@@ -147,6 +153,11 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     if args.output:
         _check_output_path(args.output)
     instance = load_instance(args.instance)
+    allocation = _allocation(args)
+    if allocation is not None:
+        from placement.api import allocate
+
+        instance = allocate(instance, allocation)
     moves_kwargs = _move_arguments(args, instance)
     # The default layout's report, for the comparison below; its time predicts the time needed
     # to score the solver's answer, which is kept back from the solver's share of the limit.
@@ -154,33 +165,37 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     baseline = report(instance, default_placement(instance))
     scoring_s = time.monotonic() - t0
     stop.armed = True  # from here a first signal asks for the best placement so far
-    progress = _progress_printer()
-    if progress is not None:
-        left_s = args.time_limit - (time.monotonic() - started_at)
-        progress(f"solving {instance.name} with {args.solver}: {left_s:.1f} s left of the {args.time_limit:g} s limit")
     try:
-        result = solve(
-            instance,
-            solver=args.solver,
-            time_limit_s=args.time_limit,
-            seed=args.seed,
-            num_workers=args.workers,
-            consumer=args.consumer,
-            group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
-            objective=args.objective,
-            layout=args.layout or "optimize",
-            progress=progress,
-            started_at=started_at,
-            stop_event=stop.event,
-            finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
-            **moves_kwargs,
-            fit=args.fit,
-        )
+        with progress_bar(instance.model.num_moe_layers, "solve: expert maps", "layer", quiet=args.quiet) as bar:
+            messages = _progress_printer(bar)
+            if messages is not None:
+                left_s = args.time_limit - (time.monotonic() - started_at)
+                messages(f"solving {instance.name} with {args.solver}: {left_s:.1f} s left of the {args.time_limit:g} s limit")
+            result = solve(
+                instance,
+                solver=args.solver,
+                time_limit_s=args.time_limit,
+                seed=args.seed,
+                num_workers=args.workers,
+                consumer=args.consumer,
+                group_preserving={"auto": None, "on": True, "off": False}[args.group_preserving],
+                objective=args.objective,
+                layout=args.layout or "optimize",
+                progress=messages,
+                on_progress=bar.report,
+                started_at=started_at,
+                stop_event=stop.event,
+                finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
+                **moves_kwargs,
+                fit=args.fit,
+            )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
             raise Interrupted(stop.signum or signal.SIGINT) from None
         raise
     doc = result_document(instance, result)
+    if allocation is not None:  # which hosts the placement was solved for
+        doc["solve"]["details"]["allocation"] = {"hosts": allocation, "gpus": int(instance.cluster.available.sum())}
     interrupted = stop.event.is_set()
     signame = signal.Signals(stop.signum).name if stop.signum is not None else "a signal"
     if args.output:
@@ -240,6 +255,43 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
     if args.output:
         print(f"  wrote {args.output}")
+    return EXIT_OK
+
+
+def _allocation(args: argparse.Namespace) -> str | None:
+    """The host list of ``--allocation``: as given, or ``SLURM_JOB_NODELIST`` for ``slurm``."""
+    if args.allocation is None:
+        return None
+    if args.allocation == "slurm":
+        value = os.environ.get("SLURM_JOB_NODELIST", "").strip()
+        if not value:
+            raise InvalidInputError("--allocation slurm: SLURM_JOB_NODELIST is not set (not inside a Slurm job?)")
+        return value
+    return str(args.allocation)
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    """``placement cluster``: the cluster file from the scheduler (placement/discovery/)."""
+    from placement.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
+
+    _check_output_path(args.output)
+    links = {"nvlink_gbps": args.nvlink_gbps, "scaleout_gbps": args.scaleout_gbps, "gpu_hbm_gb": args.gpu_hbm_gb}
+    if args.hbm_reserve_gb is not None:
+        links["hbm_reserve_gb"] = args.hbm_reserve_gb
+    name = args.name or args.source
+    for flag, value in (("--nvlink-gbps", args.nvlink_gbps), ("--scaleout-gbps", args.scaleout_gbps),
+                        ("--gpu-hbm-gb", args.gpu_hbm_gb)):
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidInputError(f"{flag}: expected a positive number, found {value}")
+    if args.source == "slurm":
+        doc = cluster_from_slurm(args.inputs, name=name, gpus_per_node=args.gpus_per_node,
+                                 allow_not_responding=args.allow_not_responding, **links)
+    elif args.source == "kubernetes":
+        doc = cluster_from_kubernetes(args.inputs, name=name, down_taints=args.down_taint or (), **links)
+    else:
+        doc = cluster_from_nvidia_smi(args.inputs, name=name, **links)
+    write_cluster(args.output, doc)
+    print(f"{doc['description']}\n  wrote {args.output}")
     return EXIT_OK
 
 
@@ -380,11 +432,19 @@ def _cmd_plan(args: argparse.Namespace, started_at: float) -> int:
         raise InvalidInputError("--ray-address: only with --executor ray")
     job = read_job(args.job)
     cluster = read_cluster(args.cluster)
+    allocation = _allocation(args)
+    if allocation is not None:
+        import dataclasses
+
+        from placement.api import allocate_cluster
+
+        cluster = dataclasses.replace(cluster, cluster=allocate_cluster(cluster.cluster, allocation))
     space = parse_candidates(args.candidates) if args.candidates else None
     executor = make_executor(args.executor, workers=args.workers, address=args.ray_address)
     try:
-        result = plan(job, cluster, candidates=space, time_limit_s=args.time_limit, seed=args.seed,
-                      executor=executor, started_at=started_at)
+        with progress_bar(None, "plan: candidates", "item", quiet=args.quiet) as bar:
+            result = plan(job, cluster, candidates=space, time_limit_s=args.time_limit, seed=args.seed,
+                          executor=executor, started_at=started_at, on_progress=bar.report)
     finally:
         executor.close()
     if args.output:
@@ -402,19 +462,21 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from placement.api import import_routing, save_instance
 
     _check_output_path(args.output)
-    instance = import_routing(
-        args.source,
-        args.traces,
-        base=args.base,
-        model=args.model,
-        parallel=args.parallel,
-        cluster=args.cluster,
-        name=args.name,
-        cost_mode=args.cost_mode,
-        heldout_steps=args.heldout_steps,
-        max_tokens_per_source=args.max_tokens_per_source,
-        windows=args.windows,
-    )
+    with progress_bar(None, "import: traces read", "B", quiet=args.quiet, unit_scale=True) as bar:
+        instance = import_routing(
+            args.source,
+            args.traces,
+            base=args.base,
+            model=args.model,
+            parallel=args.parallel,
+            cluster=args.cluster,
+            name=args.name,
+            cost_mode=args.cost_mode,
+            heldout_steps=args.heldout_steps,
+            max_tokens_per_source=args.max_tokens_per_source,
+            windows=args.windows,
+            on_progress=bar.report,
+        )
     save_instance(instance, args.output)
     windows = instance.extra["generator"]["windows"]
     r = instance.routing
@@ -430,6 +492,22 @@ def _cmd_import(args: argparse.Namespace) -> int:
         f"held-out {r.heldout_topk.shape[2]} tokens/source ({len(windows['heldout']['steps'])} steps)"
     )
     print(f"  wrote {args.output} and {Path(args.output).with_suffix('.npz')}")
+    return EXIT_OK
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from placement.api import calibrate
+    from placement.formats import atomic_write_bytes
+
+    fit = [f for f in (args.fit or "gemm_efficiency").split(",") if f]
+    cal = calibrate(args.rows, fit)
+    from placement.calibration import format_table
+
+    print(format_table(cal))
+    if args.output:
+        doc = cal.to_dict()
+        atomic_write_bytes(args.output, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+        print(f"wrote {args.output}")
     return EXIT_OK
 
 
@@ -478,6 +556,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_ALLOCATION_HELP = (
+    "only these hosts: a Slurm host list like 'gb[001-018,025]' (e.g. \"$SLURM_JOB_NODELIST\"), or 'slurm' for "
+    "SLURM_JOB_NODELIST; host names are the cluster's (cluster.hosts from placement cluster). Never implicit"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
     from placement.api import DEFAULT_SOLVER
@@ -520,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "worst window (robust, default), their mean, or the latest only; the guard against the "
                          "default map judges on the latest window. No effect with one window")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
+    so.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
+    so.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
     mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")
     mv.add_argument("--previous", metavar="OLD.json",
                     help="re-place against this placement file (same instance shape), or 'default': keep its "
@@ -566,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"cap on tokens kept per source and window (default {DEFAULT_MAX_TOKENS_PER_SOURCE})")
     im.add_argument("--windows", type=int, default=1, metavar="N",
                     help="cut the fit steps into N time-ordered sampled windows, for solve --fit (default 1)")
+    im.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
 
     st = sub.add_parser("stats", help="routing statistics of an instance: what to check before trusting a solve")
     st.add_argument("instance", help="instance JSON file")
@@ -595,6 +682,40 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--export", action="append", metavar="FORMAT=PATH",
                     help="also export the recommendation as placement export writes it (repeatable; needs -o)")
     pl.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    pl.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
+
+    from placement.discovery import DEFAULT_GPU_HBM_GB, DEFAULT_NVLINK_GBPS, DEFAULT_SCALEOUT_GBPS, SOURCES as CLUSTER_SOURCES
+
+    cl = sub.add_parser("cluster", help="write a cluster file from Slurm, Kubernetes or nvidia-smi (docs/formats.md)")
+    cl.add_argument("inputs", nargs="*", metavar="INPUT",
+                    help="slurm: scontrol show topology output or topology.conf, and scontrol show node output (none: "
+                         "run scontrol); kubernetes: kubectl get nodes -o json; nvidia-smi: nvidia-smi -q of each "
+                         "host as HOST=PATH or HOST.txt")
+    cl.add_argument("--from", dest="source", required=True, choices=CLUSTER_SOURCES, help="where the cluster is read")
+    cl.add_argument("-o", "--output", required=True, help="cluster JSON to write (atomically)")
+    cl.add_argument("--name", help="name of the cluster state (default: the source)")
+    cl.add_argument("--nvlink-gbps", type=float, default=DEFAULT_NVLINK_GBPS,
+                    help=f"NVLink bandwidth per GPU, 10^9 B/s (default {DEFAULT_NVLINK_GBPS:g}, GB300 NVL72)")
+    cl.add_argument("--scaleout-gbps", type=float, default=DEFAULT_SCALEOUT_GBPS,
+                    help=f"scale-out NIC bandwidth per GPU and direction, 10^9 B/s (default {DEFAULT_SCALEOUT_GBPS:g})")
+    cl.add_argument("--gpu-hbm-gb", type=float, default=DEFAULT_GPU_HBM_GB,
+                    help=f"HBM per GPU, 10^9 B (default {DEFAULT_GPU_HBM_GB:g}, GB300)")
+    cl.add_argument("--hbm-reserve-gb", type=float, default=None, help="HBM per GPU kept free (default: plan's)")
+    cl.add_argument("--gpus-per-node", type=int, default=None,
+                    help="slurm without scontrol show node output: GPUs of every node")
+    cl.add_argument("--allow-not-responding", action="store_true",
+                    help="slurm: count nodes whose slurmd does not answer (NOT_RESPONDING, *) as usable")
+    cl.add_argument("--down-taint", action="append", metavar="KEY",
+                    help="kubernetes: a NoSchedule/NoExecute taint key that also marks a node down (repeatable)")
+    pl.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
+
+    ca = sub.add_parser("calibrate", help="predict measured runs, fit the step-time model on them (docs/performance.md)")
+    ca.add_argument("rows", nargs="?", default=None,
+                    help="ladder file of measured runs (docs/formats.md; default: the published ladder shipped with the package)")
+    ca.add_argument("--fit", default=None, metavar="NAMES",
+                    help="comma-separated parameters to fit on the rows marked fit: gemm_efficiency (one per GPU kind), "
+                         "layer_overhead_s, expert_gemm_efficiency, overlap_efficiency (default gemm_efficiency)")
+    ca.add_argument("-o", "--output", help="write the fitted performance block and every row's prediction (JSON, atomic)")
 
     sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")
     sh.add_argument("placement", help="placement file, or 'default' (the default layout; needs -o)")
@@ -656,10 +777,14 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
             return _cmd_show(args)
         if args.command == "plan":
             return _cmd_plan(args, started_at)
+        if args.command == "cluster":
+            return _cmd_cluster(args)
         if args.command == "import":
             if args.heldout_steps is not None and args.heldout_steps < 1:
                 raise InvalidInputError(f"--heldout-steps: expected a positive integer, found {args.heldout_steps}")
             return _cmd_import(args)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args)
         if args.command == "stats":
             if args.distance < 1:
                 raise InvalidInputError(f"--distance: expected a positive integer, found {args.distance}")

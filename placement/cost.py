@@ -36,7 +36,7 @@ is the sum over its layers, and the step's is the slowest stage's (the pipeline 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Literal
 
@@ -85,6 +85,9 @@ class Metrics:
     # cross_domain_bytes_per_stage
     cross_domain_bytes_per_ep_group: list[list[float]]
     alltoall_time_s_per_layer: list[float]  # (num_moe_layers,) slower of busiest NIC and NVLink port
+    # (num_moe_layers,) busiest GPU's NVLink bytes (received copies, one direction, like the NIC
+    # column); empty in Metrics built before this field existed
+    max_gpu_nvlink_bytes_per_layer: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -332,6 +335,7 @@ def evaluate(
         alltoall_time_s_per_stage=[float(x) for x in stage_time],
         cross_domain_bytes_per_ep_group=[[float(x) for x in row] for row in cross_per_group],
         alltoall_time_s_per_layer=[float(x) for x in layer_time],
+        max_gpu_nvlink_bytes_per_layer=[float(x) for x in nvl.max(axis=1)],
     )
 
 

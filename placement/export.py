@@ -108,7 +108,9 @@ def sglang_expert_location(instance: Instance, placement: Placement) -> dict:
     SGLang passes the JSON object as keyword arguments to ``ExpertLocationMetadata.init_by_mapping``,
     so it holds exactly one key.  Its map has one row per transformer layer (SGLang indexes it by
     the decoder layer id, ``num_layers = config.num_hidden_layers``); rows of dense layers are never
-    read and hold the trivial map ``p % E``, as SGLang's own ``init_trivial`` does.
+    read and hold the trivial map ``p % E``, as SGLang's own ``init_trivial`` does.  MTP MoE layers
+    (index ``num_layers + j``) have no row: SGLang runs multi-token prediction as a separate draft
+    model, outside this map.
 
     Returns
     -------
@@ -121,7 +123,8 @@ def sglang_expert_location(instance: Instance, placement: Placement) -> dict:
     p2l = np.asarray(placement.phy2log)
     num_physical = p2l.shape[1]
     rows = np.tile(np.arange(num_physical) % m.num_experts, (m.num_layers, 1))
-    rows[list(m.moe_layers)] = p2l
+    decoder = [i for i, layer in enumerate(m.moe_layers) if layer < m.num_layers]
+    rows[[m.moe_layers[i] for i in decoder]] = p2l[decoder]
     return {"physical_to_logical_map": rows.tolist()}
 
 
@@ -167,7 +170,8 @@ def sglang_layout_problem(instance: Instance, placement: Placement) -> str | Non
 
 
 def parse_sglang_expert_location(doc: dict | str, instance: Instance) -> np.ndarray:
-    """(num_moe_layers, P) ``phy2log`` back from an SGLang expert-location document.
+    """(decoder MoE layers, P) ``phy2log`` back from an SGLang expert-location document (MTP
+    layers have no row, :func:`sglang_expert_location`).
 
     Raises
     ------
@@ -193,7 +197,7 @@ def parse_sglang_expert_location(doc: dict | str, instance: Instance) -> np.ndar
         raise InvalidInputError(
             f"sglang: physical_to_logical_map: {rows.shape[1]} physical slots do not divide over ep={instance.parallel.ep}"
         )
-    return rows[list(m.moe_layers)]
+    return rows[[layer for layer in m.moe_layers if layer < m.num_layers]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +212,8 @@ def vllm_eplb_maps(placement: Placement, instance: Instance | None = None) -> di
         ``physical_to_logical_map`` (L, P); ``logical_to_physical_map`` (L, E, R + 1), the physical
         slots of each logical expert in ascending order, padded with -1; ``logical_replica_count``
         (L, E); and ``meta``.  ``L`` counts MoE layers only (vLLM's ``num_moe_layers``), in model
-        order; ``R = P - E`` redundant slots.
+        order, MTP MoE layers (``meta.moe_layers`` entries ``>= num_layers``) last; ``R = P - E``
+        redundant slots.
     """
     p2l = np.asarray(placement.phy2log, dtype=np.int64)
     num_layers, num_physical = p2l.shape
@@ -368,6 +373,7 @@ def expert_permutation(instance: Instance, placement: Placement, stack: Literal[
         "direction": PERMUTATION_DIRECTION,
         "instance": {"name": instance.name, "sha256": instance.sha256},
         "num_layers": m.num_layers,
+        **({"mtp_num_layers": m.mtp_num_layers} if m.mtp_num_layers else {}),
         **group_fields(instance, breaks),
         "experts_per_rank": instance.experts_per_rank,
         "parameter_names": {k: PARAMETER_NAMES[stack][k] for k in ("router_weight", "rows", "experts")},

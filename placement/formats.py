@@ -35,7 +35,8 @@ from placement.model import (
     Routing,
     SUPPORTED_ETP,
 )
-from placement.performance import (
+from placement.perfdata import (
+    DISPATCHERS,
     EXPERT_LOAD_MODES,
     GPU_KINDS,
     OVERLAP_MODES,
@@ -54,6 +55,7 @@ __all__ = [
     "read_instance",
     "model_from_section",
     "cluster_from_section",
+    "cluster_section",
     "write_instance",
     "read_placement",
     "write_placement",
@@ -100,7 +102,17 @@ INSTANCE_SPEC = Obj(
             {
                 "name": Str("Model name."),
                 "num_layers": Int("Transformer layers.", 1, 100_000),
-                "moe_layers": List("0-based indices of the MoE layers, ascending.", Int("Layer index.", 0), 1),
+                "moe_layers": List(
+                    "0-based indices of the MoE layers, ascending; num_layers + j is the MoE layer of "
+                    "multi-token-prediction layer j (on the last pipeline stage).",
+                    Int("Layer index.", 0),
+                    1,
+                ),
+                "mtp_num_layers": Int(
+                    "Multi-token-prediction layers after the decoder (Megatron's mtp_num_layers); default 0.",
+                    0,
+                    1000,
+                ),
                 "num_experts": Int("Routed experts per MoE layer.", 1, 1_000_000),
                 "top_k": Int("Routed experts per token.", 1, 1024),
                 "num_groups": Int("Expert groups of contiguous ids (n_group); 1 = none.", 1, 1_000_000),
@@ -130,7 +142,7 @@ INSTANCE_SPEC = Obj(
                     "bytes",
                 ),
             },
-            optional=frozenset({"dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token"}),
+            optional=frozenset({"dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token", "mtp_num_layers"}),
         ),
         "parallel": Obj(
             "Megatron-Core parallel layout (expert tensor parallel etp, 1).",
@@ -184,8 +196,22 @@ INSTANCE_SPEC = Obj(
                     "Trays that are busy or down, as [domain, tray] pairs, each at most once.",
                     List("[domain, tray]", Int("Index.", 0), 2),
                 ),
+                "hosts": List(
+                    "Real host names (placement cluster writes them from the scheduler): one list per "
+                    "domain, its trays in order, at most trays_per_domain each; a domain with fewer hosts "
+                    "has its last tray slots empty (unavailable). Every name one token, all distinct. "
+                    "Absent: names from host_format.",
+                    List("The hosts of one domain, tray 0 first.", Str("Host name.")),
+                ),
+                "domain_names": List(
+                    "The scheduler's name of each NVLink domain (Slurm block or switch, NVLink clique), "
+                    "for rack maps and messages.",
+                    Str("Domain name."),
+                ),
             },
-            optional=frozenset({"host_format", "unavailable_gpus", "unavailable_trays"}),
+            optional=frozenset(
+                {"host_format", "unavailable_gpus", "unavailable_trays", "hosts", "domain_names"}
+            ),
         ),
         "routing": Obj(
             "Routing statistics: a .npz beside the instance with int arrays topk and heldout_topk, "
@@ -214,8 +240,8 @@ INSTANCE_SPEC = Obj(
                     unit="10^12 FLOP/s",
                 ),
                 "gemm_efficiency": Num(
-                    "Achieved fraction of the peak on the model's FLOPs (default: the calibrated value); "
-                    "at most 1.",
+                    "Dense GEMMs' achieved fraction of the peak (default: the GPU kind's value fitted on the "
+                    "published ladder); at most 1.",
                     exclusive_minimum=0,
                 ),
                 "layer_overhead_s": Num(
@@ -229,8 +255,8 @@ INSTANCE_SPEC = Obj(
                     1_000_000,
                 ),
                 "overlap": Str(
-                    "All-to-all overlap: none, or 1f1b (a micro-batch's all-to-all hides behind another's "
-                    "compute up to its length).",
+                    "All-to-all overlap: none, or 1f1b (Megatron-Core's combined 1F1B: each transfer hides behind "
+                    "one compute node of the other micro-batch; needs vpp > 1 when pp > 1, and ep > 1).",
                     OVERLAP_MODES,
                 ),
                 "expert_load": Str(
@@ -247,6 +273,44 @@ INSTANCE_SPEC = Obj(
                     "Bytes per parameter of the data-parallel parameter all-gather (default 2, BF16).",
                     minimum=0,
                     unit="bytes",
+                ),
+                "dispatcher": Str(
+                    "All-to-all backend: hybridep, deepep (Megatron's flex dispatcher) or alltoall (NCCL); "
+                    "sets the defaults of the achieved bandwidths and of comm_sms.",
+                    tuple(DISPATCHERS),
+                ),
+                "nvlink_dispatch_efficiency": Num(
+                    "Achieved NVLink all-to-all bandwidth of dispatch-like transfers (forward dispatch, backward "
+                    "combine) over the link's one-way spec; default: the dispatcher's published value.",
+                    exclusive_minimum=0,
+                ),
+                "nvlink_combine_efficiency": Num(
+                    "The same for combine-like transfers (forward combine, backward dispatch).",
+                    exclusive_minimum=0,
+                ),
+                "nic_efficiency": Num(
+                    "Achieved all-to-all bandwidth on the scale-out NIC over its spec; default: the dispatcher's.",
+                    exclusive_minimum=0,
+                ),
+                "comm_sms": Int(
+                    "SMs the all-to-all kernels take from compute while they overlap it; default: the "
+                    "dispatcher's.",
+                    1,
+                    10_000,
+                ),
+                "overlap_efficiency": Num(
+                    "Share of an overlapped transfer that hides behind its compute partner (default 1).",
+                    minimum=0,
+                ),
+                "expert_gemm_efficiency": Num(
+                    "Routed experts' grouped GEMMs' fraction of the peak (default 0.534, NVIDIA's MXFP8 "
+                    "grouped GEMM on GB200).",
+                    exclusive_minimum=0,
+                ),
+                "capacity_factor": Num(
+                    "Per-rank token capacity over the mean; tokens over it are dropped (0 = dropless, the "
+                    "default).",
+                    minimum=0,
                 ),
                 "architecture": Obj(
                     "The transformer's shape for the FLOP count (Megatron-Core's argument names).",
@@ -295,6 +359,14 @@ INSTANCE_SPEC = Obj(
                     "expert_load",
                     "grad_reduce_bytes_per_param",
                     "param_gather_bytes_per_param",
+                    "dispatcher",
+                    "nvlink_dispatch_efficiency",
+                    "nvlink_combine_efficiency",
+                    "nic_efficiency",
+                    "comm_sms",
+                    "overlap_efficiency",
+                    "expert_gemm_efficiency",
+                    "capacity_factor",
                 }
             ),
         ),
@@ -336,7 +408,14 @@ def json_schemas() -> dict[str, dict]:
     return {
         "instance.schema.json": to_json_schema(INSTANCE_SPEC, "placement instance"),
         "placement.schema.json": to_json_schema(PLACEMENT_SPEC, "placement result"),
+        "ladder.schema.json": _ladder_schema(),
     }
+
+
+def _ladder_schema() -> dict:
+    from placement.calibration import ladder_schema  # scipy: only when asked
+
+    return ladder_schema()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,8 +555,14 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
     moe = m["moe_layers"]
     if any(b <= a for a, b in zip(moe, moe[1:])):
         raise _fail(where, "model.moe_layers", "expected strictly ascending layer indices")
-    if moe[-1] >= L:
-        raise _fail(where, "model.moe_layers", f"layer {moe[-1]} is out of range for num_layers={L}")
+    mtp = m.get("mtp_num_layers", 0)
+    if moe[-1] >= L + mtp:
+        raise _fail(
+            where,
+            "model.moe_layers",
+            f"layer {moe[-1]} is out of range for num_layers={L}"
+            + (f" + mtp_num_layers={mtp}" if mtp else " (an MTP layer needs model.mtp_num_layers)"),
+        )
     E, G = m["num_experts"], m["num_groups"]
     if E % G:
         raise _fail(where, "model.num_groups", f"{G} groups do not divide num_experts={E}")
@@ -544,14 +629,26 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
                 f"GPU {g} is in tray {list(tray)}, already unavailable as cluster.unavailable_trays[{down_trays[tray]}]",
             )
     _check_host_format(where, c.get("host_format", "rack{domain:02d}-tray{tray:02d}"), c)
+    if "hosts" in c:
+        _check_hosts(where, c)
+    if "domain_names" in c and len(c["domain_names"]) != c["num_domains"]:
+        raise _fail(where, "cluster.domain_names", f"expected {c['num_domains']} names (num_domains), found {len(c['domain_names'])}")
     if "performance" in doc:
         _check_performance(doc, where)
 
 
 def _check_performance(doc: dict, where: Path) -> None:
     perf, p = doc["performance"], doc["parallel"]
-    if perf.get("gemm_efficiency", 0.5) > 1:
-        raise _fail(where, "performance.gemm_efficiency", f"expected a fraction <= 1, found {perf['gemm_efficiency']}")
+    for key in (
+        "gemm_efficiency",
+        "expert_gemm_efficiency",
+        "nvlink_dispatch_efficiency",
+        "nvlink_combine_efficiency",
+        "nic_efficiency",
+        "overlap_efficiency",
+    ):
+        if perf.get(key, 0.5) > 1:
+            raise _fail(where, f"performance.{key}", f"expected a fraction <= 1, found {perf[key]}")
     arch = perf["architecture"]
     needed = _MLA_FIELDS if arch["attention"] == "mla" else _GQA_FIELDS
     for key in needed:
@@ -561,8 +658,16 @@ def _check_performance(doc: dict, where: Path) -> None:
             )
     if arch["attention"] == "gqa" and arch["num_attention_heads"] % arch["num_query_groups"]:
         raise _fail(where, "performance.architecture.num_query_groups", "must divide num_attention_heads")
+    mtp = doc["model"].get("mtp_num_layers", 0)
+    if mtp and arch.get("mtp_num_layers", 0) != mtp:
+        raise _fail(
+            where,
+            "performance.architecture.mtp_num_layers",
+            f"expected {mtp}, as model.mtp_num_layers (found {arch.get('mtp_num_layers', 0)})",
+        )
     vpp = perf.get("vpp", 1)
-    slots = [len(s) for s in p["stage_layers"]]
+    num_layers = doc["model"]["num_layers"]
+    slots = [sum(1 for layer in s if layer < num_layers) for s in p["stage_layers"]]
     slots[0] += 1
     slots[-1] += arch.get("mtp_num_layers", 0) + 1
     for s, n in enumerate(slots):
@@ -573,6 +678,33 @@ def _check_performance(doc: dict, where: Path) -> None:
                 f"vpp={vpp} does not divide stage {s}'s {n} layer slots (layers, +1 embedding on the first "
                 "stage, +MTP layers +1 output layer on the last)",
             )
+    _check_overlap(where, perf.get("overlap", "1f1b"), p["pp"], vpp, p["ep"], arch.get("mtp_num_layers", 0))
+
+
+def _check_overlap(where: Path, overlap: str, pp: int, vpp: int, ep: int, mtp_num_layers: int) -> None:
+    """Megatron-Core's rules for ``overlap_moe_expert_parallel_comm`` (the ``1f1b`` overlap).
+
+    ``TransformerConfig.__post_init__`` (megatron/core/transformer/transformer_config.py of
+    NVIDIA/Megatron-LM) asserts: a virtual pipeline size when PP > 1, expert parallelism > 1, and at
+    most one MTP layer.  A refused combination is an input error naming the field to change.
+    """
+    if overlap != "1f1b":
+        return
+    if pp > 1 and vpp < 2:
+        raise _fail(
+            where,
+            "performance.vpp",
+            f"overlap 1f1b with pp={pp} needs vpp > 1 (Megatron-Core refuses the EP all-to-all overlap "
+            "without a virtual pipeline when PP > 1); set vpp or overlap none",
+        )
+    if ep < 2:
+        raise _fail(where, "performance.overlap", "overlap 1f1b needs expert parallelism (ep > 1); use overlap none")
+    if mtp_num_layers > 1:
+        raise _fail(
+            where,
+            "performance.architecture.mtp_num_layers",
+            f"overlap 1f1b supports at most one MTP layer in Megatron-Core, found {mtp_num_layers}",
+        )
 
 
 def _performance(doc: dict) -> Performance:
@@ -621,6 +753,24 @@ def _check_host_format(where: Path, fmt: str, c: dict) -> None:
         if name in seen:
             raise _fail(where, field, f"hosts {seen[name]} and {host} get the same name {name!r}")
         seen[name] = host
+
+
+def _check_hosts(where: Path, c: dict) -> None:
+    """Real host names go into SLURM host files and launch scripts: one token each, distinct."""
+    hosts = c["hosts"]
+    if len(hosts) != c["num_domains"]:
+        raise _fail(where, "cluster.hosts", f"expected one list per domain ({c['num_domains']}), found {len(hosts)}")
+    seen: dict[str, str] = {}
+    for d, names in enumerate(hosts):
+        if len(names) > c["trays_per_domain"]:
+            raise _fail(where, f"cluster.hosts[{d}]", f"{len(names)} hosts, more than trays_per_domain={c['trays_per_domain']}")
+        for t, name in enumerate(names):
+            field = f"cluster.hosts[{d}][{t}]"
+            if not name or any(ch.isspace() or not ch.isprintable() for ch in name):
+                raise _fail(where, field, f"expected a host name without spaces or control characters, found {name!r}")
+            if name in seen:
+                raise _fail(where, field, f"host {name!r} is listed twice (also {seen[name]})")
+            seen[name] = field
 
 
 def _resolve_npz(where: Path, rel: str) -> Path:
@@ -761,6 +911,7 @@ def model_from_section(m: dict) -> MoEModel:
         combine_bytes_per_token=m["combine_bytes_per_token"],
         dispatch_grad_bytes_per_token=m.get("dispatch_grad_bytes_per_token", 0),
         combine_grad_bytes_per_token=m.get("combine_grad_bytes_per_token", 0),
+        mtp_num_layers=m.get("mtp_num_layers", 0),
     )
 
 
@@ -773,6 +924,13 @@ def cluster_from_section(c: dict) -> Cluster:
     for d, t in c.get("unavailable_trays", []):
         h = d * c["trays_per_domain"] + t
         available[h * c["gpus_per_tray"] : (h + 1) * c["gpus_per_tray"]] = False
+    host_names: list[str] | None = None
+    if "hosts" in c:  # tray slots past a domain's hosts are empty: no host, no GPUs to use
+        host_names = []
+        for d, names in enumerate(c["hosts"]):
+            host_names.extend(list(names) + [""] * (c["trays_per_domain"] - len(names)))
+            first = (d * c["trays_per_domain"] + len(names)) * c["gpus_per_tray"]
+            available[first : (d + 1) * c["trays_per_domain"] * c["gpus_per_tray"]] = False
     return Cluster(
         num_domains=c["num_domains"],
         trays_per_domain=c["trays_per_domain"],
@@ -781,7 +939,40 @@ def cluster_from_section(c: dict) -> Cluster:
         nvlink_gbps=float(c["nvlink_gbps"]),
         scaleout_gbps=float(c["scaleout_gbps"]),
         host_format=c.get("host_format", "rack{domain:02d}-tray{tray:02d}"),
+        host_names=tuple(host_names) if host_names is not None else None,
+        domain_names=tuple(c["domain_names"]) if "domain_names" in c else None,
     )
+
+
+def cluster_section(c: Cluster) -> dict:
+    """The ``cluster`` section of an instance (or the cluster fields of a cluster file) for ``c``:
+    whole unavailable trays as trays, the rest as GPUs; ``hosts`` and ``domain_names`` when set."""
+    trays: list[list[int]] = []
+    gpus: list[int] = []
+    gpt = c.gpus_per_tray
+    unavailable = np.flatnonzero(~np.asarray(c.available))
+    for h in sorted({int(g) // gpt for g in unavailable}):
+        members = [h * gpt + i for i in range(gpt)]
+        if all(not c.available[g] for g in members):
+            trays.append([h // c.trays_per_domain, h % c.trays_per_domain])
+        else:
+            gpus.extend(g for g in members if not c.available[g])
+    out: dict[str, Any] = {
+        "num_domains": c.num_domains,
+        "trays_per_domain": c.trays_per_domain,
+        "gpus_per_tray": c.gpus_per_tray,
+        "nvlink_gbps": c.nvlink_gbps,
+        "scaleout_gbps": c.scaleout_gbps,
+        "host_format": c.host_format,
+        "unavailable_gpus": gpus,
+        "unavailable_trays": trays,
+    }
+    if c.host_names is not None:  # absent without real names (older files byte for byte)
+        t = c.trays_per_domain
+        out["hosts"] = [[n for n in c.host_names[d * t : (d + 1) * t] if n] for d in range(c.num_domains)]
+    if c.domain_names is not None:
+        out["domain_names"] = list(c.domain_names)
+    return out
 
 
 def read_instance(path: str | os.PathLike) -> Instance:
@@ -836,17 +1027,6 @@ def read_instance(path: str | os.PathLike) -> Instance:
 def instance_document(instance: Instance, npz_name: str) -> dict:
     """The JSON document of an instance (without its arrays)."""
     m, p, c = instance.model, instance.parallel, instance.cluster
-    unavailable = [int(g) for g in np.flatnonzero(~c.available)]
-    # Express whole unavailable trays as trays, the rest as GPUs.
-    trays: list[list[int]] = []
-    gpus: list[int] = []
-    gpt = c.gpus_per_tray
-    for h in sorted({g // gpt for g in unavailable}):
-        members = [h * gpt + i for i in range(gpt)]
-        if all(not c.available[g] for g in members):
-            trays.append([h // c.trays_per_domain, h % c.trays_per_domain])
-        else:
-            gpus.extend(g for g in members if not c.available[g])
     doc = {
         "schema_version": INSTANCE_SCHEMA_VERSION,
         "name": instance.name,
@@ -865,6 +1045,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             "combine_bytes_per_token": m.combine_bytes_per_token,
             "dispatch_grad_bytes_per_token": m.dispatch_grad_bytes_per_token,
             "combine_grad_bytes_per_token": m.combine_grad_bytes_per_token,
+            **({"mtp_num_layers": m.mtp_num_layers} if m.mtp_num_layers else {}),
         },
         "parallel": {
             "tp": p.tp,
@@ -880,16 +1061,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             "global_batch": p.global_batch,
             **({"etp": p.etp} if p.etp != 1 else {}),  # absent means 1 (keeps older files byte for byte)
         },
-        "cluster": {
-            "num_domains": c.num_domains,
-            "trays_per_domain": c.trays_per_domain,
-            "gpus_per_tray": c.gpus_per_tray,
-            "nvlink_gbps": c.nvlink_gbps,
-            "scaleout_gbps": c.scaleout_gbps,
-            "host_format": c.host_format,
-            "unavailable_gpus": gpus,
-            "unavailable_trays": trays,
-        },
+        "cluster": cluster_section(c),
         "routing": {"file": npz_name, "generator": instance.extra.get("generator", {})},
     }
     if instance.routing.window_tokens is not None:  # absent for one window (older files byte for byte)

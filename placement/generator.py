@@ -520,7 +520,8 @@ def generate_routing(
     seed : int
         Non-negative seed; the same arguments give byte-identical output.
     num_layers : int
-        MoE layers.
+        MoE layers, in model order; multi-token-prediction MoE layers (instance layer indices
+        ``num_layers + j``) come last and are generated like the layers after the decoder's last.
     num_sources : int
         Data-parallel ranks; each has its own mix of data domains.
     tokens_per_source : int

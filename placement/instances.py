@@ -11,6 +11,7 @@ fit window, window 1 the held-out window) and its unavailable trays from a seede
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +72,15 @@ class InstanceSpec:
     scaleout_gbps: float = 100.0  # 800 Gb/s NIC per GPU = 100 GB/s each way (full duplex)
     source_mix_concentration: float | None = None
     performance: Performance | None = None  # the step-time block (placement.performance)
+    # MoE layers of multi-token prediction (layer indices num_layers + j, on the last stage); their
+    # routing is generated as the layers after the decoder's last.  0: the MTP layers (if the
+    # performance block counts any) are not placed.
+    mtp_moe_layers: int = 0
 
 
-# GB300 NVL72, MXFP8 GEMMs, 1F1B with the all-to-all overlapped, the calibrated efficiency.
+# GB300 NVL72, MXFP8 GEMMs, HybridEP, 1F1B with the all-to-all overlapped (Megatron-Core's
+# combined 1F1B, which needs vpp > 1 when pp > 1: the stage splits give every stage the same layer
+# slots, as Megatron-Bridge's DeepSeek-V3 layouts do), the calibrated efficiencies.
 _DSV3_GB300 = Performance(gpu="gb300", precision="mxfp8", architecture=DEEPSEEK_V3)
 _TINY_ARCH = Architecture(
     attention="gqa",
@@ -109,7 +116,7 @@ SPECS: dict[str, InstanceSpec] = {
             ep=64,
             dp=64,
             pp=16,
-            stage_sizes=(4,) * 15 + (1,),
+            stage_sizes=(3,) + (4,) * 14 + (2,),
             seq_len=4096,
             micro_batch=1,
             global_batch=8192,
@@ -120,7 +127,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=128,
             heldout_tokens_per_source=64,
             seed=1024,
-            performance=_DSV3_GB300,
+            performance=dataclasses.replace(_DSV3_GB300, vpp=2),
         ),
         InstanceSpec(
             name="dsv3_256",
@@ -141,7 +148,7 @@ SPECS: dict[str, InstanceSpec] = {
             ep=64,
             dp=64,
             pp=4,
-            stage_sizes=(16, 15, 15, 15),
+            stage_sizes=(15, 16, 16, 14),
             seq_len=4096,
             micro_batch=1,
             global_batch=2048,
@@ -152,7 +159,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=128,
             heldout_tokens_per_source=64,
             seed=256,
-            performance=_DSV3_GB300,
+            performance=dataclasses.replace(_DSV3_GB300, vpp=4),
         ),
         InstanceSpec(
             name="dsv3_ep256",
@@ -205,7 +212,7 @@ SPECS: dict[str, InstanceSpec] = {
             ep=32,
             dp=64,
             pp=4,
-            stage_sizes=(24, 24, 23, 23),
+            stage_sizes=(23, 24, 24, 23),
             seq_len=4096,
             micro_batch=1,
             global_batch=2048,
@@ -216,7 +223,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=96,
             heldout_tokens_per_source=64,
             seed=128,
-            performance=Performance(gpu="gb300", precision="mxfp8", architecture=QWEN3_235B_A22B),
+            performance=Performance(gpu="gb300", precision="mxfp8", architecture=QWEN3_235B_A22B, vpp=4),
         ),
         InstanceSpec(
             name="tiny",
@@ -248,7 +255,7 @@ SPECS: dict[str, InstanceSpec] = {
             tokens_per_source=32,
             heldout_tokens_per_source=32,
             seed=7,
-            performance=Performance(gpu="gb200", precision="bf16", architecture=_TINY_ARCH),
+            performance=Performance(gpu="gb200", precision="bf16", architecture=_TINY_ARCH, overlap="none"),
         ),
     ]
 }
@@ -264,7 +271,9 @@ def _unavailable_trays(spec: InstanceSpec) -> list[tuple[int, int]]:
 
 def build(spec: InstanceSpec) -> Instance:
     """Build the in-memory instance of ``spec`` (routing generated, trays drawn)."""
-    moe_layers = tuple(range(spec.first_moe_layer, spec.num_layers))
+    moe_layers = tuple(range(spec.first_moe_layer, spec.num_layers + spec.mtp_moe_layers))
+    if spec.performance is not None and spec.mtp_moe_layers:
+        assert spec.performance.architecture.mtp_num_layers == spec.mtp_moe_layers, spec.name
     assert sum(spec.stage_sizes) == spec.num_layers and len(spec.stage_sizes) == spec.pp
     bounds = np.cumsum((0,) + spec.stage_sizes)
     stage_layers = tuple(tuple(range(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:]))
@@ -279,6 +288,7 @@ def build(spec: InstanceSpec) -> Instance:
         hidden_size=spec.hidden_size,
         dispatch_bytes_per_token=dispatch_bytes_fp8(spec.hidden_size),
         combine_bytes_per_token=combine_bytes_bf16(spec.hidden_size),
+        mtp_num_layers=spec.mtp_moe_layers,
     )
     parallel = ParallelLayout(
         tp=spec.tp,

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
-    from placement.performance import Performance
+    from placement.perfdata import Performance
 
 __all__ = [
     "CostMode",
@@ -122,8 +122,12 @@ def combine_bytes_bf16(hidden_size: int) -> int:
 class MoEModel:
     """The transformer's MoE shape.
 
-    ``moe_layers`` are the indices (0-based, among ``num_layers``) of the MoE layers; every array
-    over "MoE layers" in this package is indexed by position in that tuple, not by layer index.
+    ``moe_layers`` are the indices (0-based) of the MoE layers; every array over "MoE layers" in
+    this package is indexed by position in that tuple, not by layer index.  Indices below
+    ``num_layers`` are decoder layers; index ``num_layers + j`` (``0 <= j < mtp_num_layers``) is
+    the MoE layer of multi-token-prediction layer ``j``, which runs on the last pipeline stage
+    (DeepSeek-V3's MTP module: one transformer layer with its own routed experts).  An MTP layer
+    whose MLP is dense is simply not listed.
     """
 
     name: str
@@ -142,6 +146,9 @@ class MoEModel:
     # Backward of the combine: the gradient of each combined copy, source GPU -> expert GPU.
     # 0 = BF16 (2 * hidden_size), resolved at construction.
     combine_grad_bytes_per_token: int = 0
+    # Multi-token-prediction layers after the decoder (Megatron's mtp_num_layers); their MoE
+    # layers, if any, carry the indices num_layers + j in moe_layers.
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dispatch_grad_bytes_per_token", "combine_grad_bytes_per_token"):
@@ -159,6 +166,15 @@ class MoEModel:
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
+
+    def is_mtp(self, layer: int) -> bool:
+        """Whether layer index ``layer`` is a multi-token-prediction layer (``>= num_layers``)."""
+        return self.num_layers <= layer < self.num_layers + self.mtp_num_layers
+
+    @property
+    def mtp_moe_layers(self) -> tuple[int, ...]:
+        """The MoE layer indices of the MTP layers (``num_layers + j``), possibly empty."""
+        return tuple(layer for layer in self.moe_layers if layer >= self.num_layers)
 
     @property
     def transfer_bytes_per_copy(self) -> dict[str, int]:
@@ -298,8 +314,14 @@ class Cluster:
     """NVLink domains (racks) of trays (hosts) of GPUs; some GPUs unavailable.
 
     ``available``: (num_gpus,) bool.  Host ``h = domain * trays_per_domain + tray`` has GPUs
-    ``h * gpus_per_tray ... + gpus_per_tray - 1``; its name is ``host_format`` formatted with
+    ``h * gpus_per_tray ... + gpus_per_tray - 1``; its name is ``host_names[h]`` when the cluster
+    was read from a scheduler (``placement cluster``), else ``host_format`` formatted with
     ``domain``, ``tray`` and ``host``.
+
+    ``host_names``: ``None``, or (num_domains * trays_per_domain,) real host names in host order;
+    ``""`` marks a tray slot with no host (a rack with fewer trays than the largest), whose GPUs
+    are unavailable.  ``domain_names``: ``None``, or (num_domains,) the scheduler's names of the
+    NVLink domains (Slurm blocks or switches, NVLink cliques).
     """
 
     num_domains: int
@@ -309,9 +331,23 @@ class Cluster:
     nvlink_gbps: float  # per GPU, 10^9 bytes/s
     scaleout_gbps: float  # per GPU NIC, 10^9 bytes/s, each direction
     host_format: str = "rack{domain:02d}-tray{tray:02d}"
+    host_names: tuple[str, ...] | None = None
+    domain_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "available", _frozen(np.asarray(self.available, dtype=bool)))
+        if self.host_names is not None:
+            names = tuple(str(n) for n in self.host_names)
+            if len(names) != self.num_domains * self.trays_per_domain:
+                raise InvalidInputError(
+                    f"cluster.hosts: expected {self.num_domains * self.trays_per_domain} host slots, found {len(names)}"
+                )
+            object.__setattr__(self, "host_names", names)
+        if self.domain_names is not None:
+            domains = tuple(str(n) for n in self.domain_names)
+            if len(domains) != self.num_domains:
+                raise InvalidInputError(f"cluster.domain_names: expected {self.num_domains} names, found {len(domains)}")
+            object.__setattr__(self, "domain_names", domains)
 
     @property
     def gpus_per_domain(self) -> int:
@@ -342,8 +378,23 @@ class Cluster:
         return _frozen(np.flatnonzero(self.available))
 
     def host_name(self, host: int) -> str:
+        """The name of host (tray) ``host``: its real name, else ``host_format``'s."""
+        if self.host_names is not None and self.host_names[int(host)]:
+            return self.host_names[int(host)]
         domain, tray = divmod(int(host), self.trays_per_domain)
         return self.host_format.format(domain=domain, tray=tray, host=int(host))
+
+    def domain_name(self, domain: int) -> str:
+        """The scheduler's name of NVLink domain ``domain``, else ``d<domain>``."""
+        if self.domain_names is not None:
+            return self.domain_names[int(domain)]
+        return f"d{int(domain)}"
+
+    @cached_property
+    def host_index(self) -> dict[str, int]:
+        """Host name -> host (tray) index, for every tray slot that has a host."""
+        hosts = range(self.num_domains * self.trays_per_domain)
+        return {self.host_name(h): h for h in hosts if self.host_names is None or self.host_names[h]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +460,7 @@ class Instance:
     description: str = ""
     sha256: str = ""  # of the instance's files, set by the reader; identifies it in placements
     extra: dict = field(default_factory=dict, compare=False)  # provenance (generator parameters)
-    performance: Performance | None = None  # the optional step-time block (placement.performance)
+    performance: Performance | None = None  # the optional step-time block (placement.perfdata)
 
     @property
     def experts_per_rank(self) -> int:
@@ -417,9 +468,10 @@ class Instance:
 
     @cached_property
     def moe_layer2stage(self) -> np.ndarray:
-        """(num_moe_layers,) pipeline stage of each MoE layer."""
+        """(num_moe_layers,) pipeline stage of each MoE layer (MTP layers: the last stage)."""
         l2s = self.parallel.layer2stage
-        return _frozen(np.array([l2s[layer] for layer in self.model.moe_layers], dtype=np.int64))
+        last, m = self.parallel.pp - 1, self.model
+        return _frozen(np.array([last if m.is_mtp(layer) else l2s[layer] for layer in m.moe_layers], dtype=np.int64))
 
     def for_solver(self) -> Instance:
         """The view a solver gets: identical, but without the held-out window."""

@@ -1,11 +1,11 @@
 """Predicted step time and delivered model TFLOP/s per GPU of a placement (pure, no I/O).
 
 Training is measured in delivered model TFLOP/s per GPU, not in bytes.  This module turns the
-evaluator's report of a placement (:class:`placement.cost.Metrics`: per MoE layer the all-to-all
-time of its busiest NIC or NVLink port, and its busiest GPU's share of (token, expert) pairs) into
-the time of one optimizer step, with the instance's optional ``performance`` block
-(:class:`Performance`).  It never counts bytes itself: every all-to-all second comes from
-``Metrics.alltoall_time_s_per_layer``.
+evaluator's report of a placement (:class:`placement.cost.Metrics`: per MoE layer the busiest GPU's
+NIC and NVLink bytes, and its busiest GPU's share of (token, expert) pairs) into the time of one
+optimizer step, with the instance's optional ``performance`` block (:class:`Performance`, data in
+:mod:`placement.perfdata`, re-exported here).  It never counts bytes itself.  docs/performance.md
+has the long version with every source.
 
 The model, per optimizer step
 -----------------------------
@@ -30,44 +30,46 @@ per GPU = tokens of a global batch / step time / GPUs.
 
 Time of one micro-batch on one GPU, layer ``l`` (forward = 1/3 of the FLOPs, backward 2/3):
 
-- compute ``c_l = (F_dense_l + F_routed_l * load_l) / (peak * gemm_efficiency) + layer_overhead_s``:
-  ``F_dense`` is attention, dense MLP and shared expert, ``F_routed`` the routed experts at the mean
-  load, ``load_l`` the busiest GPU's (token, expert) pairs over the EP group's mean in that layer
-  (``Metrics.expert_load_max_over_mean_per_layer``; 1 with ``expert_load: balanced``): the layer
-  waits for its busiest GPU.  The first stage adds nothing for the embedding (a lookup; Megatron
-  counts no FLOPs for it); the last stage adds the output layer(s) and the MTP layers (priced with
-  the last MoE layer's load and all-to-all time).
-- all-to-all ``a_l = Metrics.alltoall_time_s_per_layer[l] / micro_batches``, split over the four
-  transfers in proportion to their bytes per copy (``MoEModel.transfer_bytes_per_copy``): forward
-  ``a_f`` (dispatch + combine), backward ``a_b`` (their gradients).
-- overlap ``none``: ``sigma_l = c_l + a_l``.  Overlap ``1f1b`` (Megatron-Core's EP all-to-all
-  overlap of a forward and a backward micro-batch in the 1F1B steady state, DualPipe's pairing):
-  one micro-batch's forward all-to-all hides behind another's backward compute and vice versa, up to
-  that compute's length: ``tau_l = c_l + max(0, a_f - c_b) + max(0, a_b - c_f)``.
+- compute ``c_l = attn_l + mlp_l``: ``attn_l`` = the dense FLOPs (attention, dense MLP, shared
+  expert) at ``peak * gemm_efficiency`` (the attention's score/value products at the BF16 peak)
+  plus ``layer_overhead_s``; ``mlp_l`` = the routed experts' FLOPs at the mean load, at ``peak *
+  expert_gemm_efficiency``, times the busiest GPU's load of one micro-batch
+  (:func:`per_microbatch_load` of ``Metrics.expert_load_max_over_mean_per_layer``, 1 with
+  ``expert_load: balanced``), capped at ``capacity_factor`` when one is set (tokens over it are
+  dropped).  The last stage adds the output layer(s) and the MTP layers (MTP MoE layer ``j`` priced
+  with MoE layer ``num_layers + j``'s metrics when the instance has it, else the last MoE layer's).
+- all-to-all: each transfer ``t`` (forward dispatch, forward combine, backward combine, backward
+  dispatch) takes the slower of the busiest NIC (half the evaluator's send + receive count: a
+  full-duplex link) and the busiest NVLink port at the dispatcher's achieved bandwidth
+  (:meth:`StepTimeModel.transfer_times_s`).
+- overlap ``none``: ``sigma_l = c_l + sum_t a_t``.  Overlap ``1f1b`` (Megatron-Core's combined
+  1F1B, ``overlap_moe_expert_parallel_comm``): each transfer hides behind one compute node of the
+  other micro-batch (backward combine | forward attention, forward dispatch | backward expert
+  GEMMs, backward dispatch | forward expert GEMMs, forward combine | backward attention), each pair
+  costing ``(1 - eta) a + max(eta a, c + f eta a)`` (``eta`` = ``overlap_efficiency``, ``f`` = the
+  SM share the kernels take): ``tau_l`` is the sum of the four pairs.
 
-Pipeline: 1F1B with ``vpp`` virtual stages per GPU and ``m`` micro-batches per step.  The steady
-state runs at the slowest stage's pace and the warm-up/cool-down bubble has no partner micro-batch
-to overlap with::
+Pipeline: 1F1B with ``vpp`` virtual stages per GPU and ``m`` micro-batches per step; ``m - 1``
+paired slots, the first forward and the last backward unpaired, and the warm-up/cool-down bubble::
 
-    T_pipeline = m * max_s tau_s + (pp - 1) / vpp * max_s sigma_s
+    T_pipeline = (m - 1) * max_s tau_s + (1 + (pp - 1) / vpp) * max_s sigma_s
 
-with ``tau_s = sum of tau_l`` and ``sigma_s = sum of sigma_l`` over the stage's layers (``tau = sigma``
-without overlap: the textbook ``(m + (pp - 1)/vpp) * t``).
+(``tau = sigma`` without overlap: the textbook ``(m + (pp - 1)/vpp) * t``).
 
-Data-parallel gradients (Megatron's distributed optimizer): reduce-scatter of the gradients and
-all-gather of the parameters, dense parameters over their ``dp * cp`` replicas and expert
-parameters over their ``tp * cp * dp / ep`` replicas, each ``bytes * (n - 1) / n`` per GPU at the
-bus bandwidth (NCCL's ring model), on the NICs when the group spans several NVLink domains, else on
-NVLink.  They share those links with the all-to-all: the reduce-scatter hides in one micro-batch's
-backward compute less its all-to-all, the all-gather in one forward's; what does not fit is exposed.
-Step time = ``T_pipeline`` + the slowest stage's exposed data-parallel time.
+Data-parallel collectives (Megatron's distributed optimizer): reduce-scatter of the gradients and
+all-gather of the parameters, dense over ``dp * cp`` replicas, experts over ``tp * cp * dp / ep``:
+NCCL's ring on NVLink inside one domain; across ``k`` domains with ``g`` members each at least,
+hierarchical, every member on its own NIC (``S (g-1)/g / nvlink + S (k-1)/(k g) / nic``).  The
+reduce-scatter hides in one micro-batch's backward compute less its all-to-all, the all-gather in
+one forward's; what does not fit is exposed.  Step time = ``T_pipeline`` + the slowest stage's
+exposed data-parallel time.
 
 Not modelled (absorbed by the fitted efficiency): recomputation, the optimizer step, stragglers,
-kernel launch gaps other than ``layer_overhead_s``.
+host (CPU) overhead, kernel launch gaps other than ``layer_overhead_s``.
 
-Calibration: ``gemm_efficiency``'s default is fitted on one published point and every other
-published point is predicted; :mod:`placement.calibration` holds the points and the fit, the README
-the table with every error.
+Calibration: ``gemm_efficiency`` is fitted per GPU kind on the published ladder
+(:mod:`placement.calibration`, ``placement calibrate``); the README has the table with every error.
+:func:`performance_settings` gives the ``low``/``mid``/``high`` variants of the uncertain terms.
 
 Scoring candidates (for solvers): build :class:`StepTimeModel` once per instance (FLOP counts,
 parameter counts: microseconds to milliseconds) and call :meth:`StepTimeModel.step_time_s` on each
@@ -77,10 +79,28 @@ the DP groups.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+from placement.perfdata import (
+    CALIBRATED_GEMM_EFFICIENCY,
+    DEEPSEEK_V3,
+    DISPATCHERS,
+    EXPERT_GEMM_EFFICIENCY,
+    EXPERT_LOAD_MODES,
+    GPU_KINDS,
+    OVERLAP_MODES,
+    PRECISIONS,
+    QWEN3_235B_A22B,
+    SCHEDULES,
+    Architecture,
+    Dispatcher,
+    GpuKind,
+    Performance,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from placement.cost import Metrics
@@ -92,8 +112,12 @@ __all__ = [
     "OVERLAP_MODES",
     "EXPERT_LOAD_MODES",
     "SCHEDULES",
+    "DISPATCHERS",
     "CALIBRATED_GEMM_EFFICIENCY",
+    "EXPERT_GEMM_EFFICIENCY",
+    "SETTINGS",
     "GpuKind",
+    "Dispatcher",
     "Architecture",
     "DEEPSEEK_V3",
     "QWEN3_235B_A22B",
@@ -105,119 +129,61 @@ __all__ = [
     "stage_slots",
     "predict",
     "prediction_keys",
+    "performance_settings",
+    "per_microbatch_load",
 ]
 
-Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4"]
-PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "mxfp8", "nvfp4")
-OVERLAP_MODES: tuple[str, ...] = ("none", "1f1b")
-EXPERT_LOAD_MODES: tuple[str, ...] = ("routing", "balanced")
-SCHEDULES: tuple[str, ...] = ("1f1b",)
-
-# Fitted by placement.calibration.fit_gemm_efficiency() on the GB300 MXFP8 256-GPU point (see the
-# README's calibration table); tests/test_performance.py re-fits it and checks this constant.
-CALIBRATED_GEMM_EFFICIENCY = 0.3697
+#: The uncertainty settings of the step-time model, slowest first (:func:`performance_settings`).
+SETTINGS: tuple[str, ...] = ("low", "mid", "high")
+# Relative spread of the GEMM efficiencies between the settings (from the ladder's residuals on the
+# rows not fitted; docs/performance.md).
+GEMM_SPREAD = 0.05
+# Low setting of the overlap efficiency, as a share of the configured one.
+OVERLAP_LOW_SHARE = 0.5
 
 
-@dataclass(frozen=True)
-class GpuKind:
-    """A GPU's dense (no sparsity) peak tensor-core throughput per precision, TFLOP/s.
+def performance_settings(perf: Performance) -> dict[str, Performance]:
+    """The ``low``, ``mid`` and ``high`` variants of ``perf`` (keys in :data:`SETTINGS` order).
 
-    Sources (docs/formats.md): NVIDIA's GB200 NVL72 and GB300 NVL72 specifications give rack
-    figures with sparsity (FP8 720 PFLOPS, BF16 360 PFLOPS for 72 GPUs on both; FP4 1,440 PFLOPS on
-    GB200, 1,080 PFLOPS dense on GB300); halved and divided by 72.
+    ``mid`` is ``perf`` itself (the calibrated values).  ``low`` is pessimistic on every uncertain
+    term: achieved NVLink and NIC bandwidth at the low end of the dispatcher's published range (as a
+    ratio to its default, so user overrides scale the same way), the overlap efficiency halved, both
+    GEMM efficiencies ``GEMM_SPREAD`` lower; ``high`` the other end, full overlap, GEMMs
+    ``GEMM_SPREAD`` higher (capped at 1).  ``low`` never predicts a faster step than ``mid``, nor
+    ``mid`` than ``high``, on the same placement.
     """
+    d = DISPATCHERS.get(perf.dispatcher, DISPATCHERS["deepep"])
 
-    name: str
-    peak_dense_tflops: Mapping[str, float]
+    def variant(end: int) -> Performance:
+        sign = -1.0 if end == 0 else 1.0
+        return dataclasses.replace(
+            perf,
+            nvlink_dispatch_efficiency=min(1.0, perf.nvlink_dispatch_efficiency * d.nvlink_dispatch_range[end] / d.nvlink_dispatch),
+            nvlink_combine_efficiency=min(1.0, perf.nvlink_combine_efficiency * d.nvlink_combine_range[end] / d.nvlink_combine),
+            nic_efficiency=min(1.0, perf.nic_efficiency * d.nic_range[end] / d.nic),
+            overlap_efficiency=perf.overlap_efficiency * OVERLAP_LOW_SHARE if end == 0 else 1.0,
+            gemm_efficiency=min(1.0, perf.gemm_efficiency * (1.0 + sign * GEMM_SPREAD)),
+            expert_gemm_efficiency=min(1.0, perf.expert_gemm_efficiency * (1.0 + sign * GEMM_SPREAD)),
+        )
+
+    return {"low": variant(0), "mid": perf, "high": variant(1)}
 
 
-GPU_KINDS: dict[str, GpuKind] = {
-    "gb200": GpuKind("gb200", {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 10000.0}),
-    "gb300": GpuKind("gb300", {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 15000.0}),
-}
+def per_microbatch_load(load_over_window: np.ndarray, pairs_per_gpu: float, ep: int) -> np.ndarray:
+    """Busiest GPU's load over the mean within one micro-batch, from the window's ratio.
 
-
-@dataclass(frozen=True)
-class Architecture:
-    """What the FLOP count needs beyond :class:`~placement.model.MoEModel` (Megatron's names).
-
-    ``attention`` is ``mla`` (``q_lora_rank`` 0 = no query LoRA, ``kv_lora_rank``, ``qk_head_dim``
-    = the no-RoPE part, ``qk_pos_emb_head_dim`` = the RoPE part, ``v_head_dim``) or ``gqa``
-    (``num_query_groups``, ``kv_channels``; MHA is ``num_query_groups = num_attention_heads``).
+    The evaluator gives each layer's busiest-GPU share over the whole window (a step's tokens).  One
+    micro-batch holds ``pairs_per_gpu`` (token, expert) pairs per GPU on average, so even at the
+    window's shares each GPU's count spreads around its expectation (Poisson: standard deviation
+    ``sqrt(load / pairs_per_gpu)`` in units of the mean), and the busiest of ``ep`` GPUs sits about
+    ``sqrt(2 ln ep)`` deviations above: ``load + sqrt(2 ln ep) * sqrt(load / pairs_per_gpu)``.  An
+    estimate, not a bound: real micro-batches are a few documents, whose routing is correlated,
+    which spreads them more (docs/performance.md).
     """
-
-    attention: Literal["mla", "gqa"]
-    num_attention_heads: int
-    ffn_hidden_size: int  # dense layers' MLP
-    moe_ffn_hidden_size: int  # one routed expert
-    shared_expert_ffn_hidden_size: int  # 0 = no shared expert
-    vocab_size: int  # padded vocabulary
-    mtp_num_layers: int = 0
-    swiglu: bool = True
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_head_dim: int = 0
-    qk_pos_emb_head_dim: int = 0
-    v_head_dim: int = 0
-    num_query_groups: int = 0
-    kv_channels: int = 0
-
-
-# Shapes of the committed instances' models (their Hugging Face config.json files:
-# deepseek-ai/DeepSeek-V3 and Qwen/Qwen3-235B-A22B; vocabularies are already multiples of 128).
-DEEPSEEK_V3 = Architecture(
-    attention="mla",
-    num_attention_heads=128,
-    ffn_hidden_size=18432,
-    moe_ffn_hidden_size=2048,
-    shared_expert_ffn_hidden_size=2048,
-    vocab_size=129280,
-    mtp_num_layers=1,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_head_dim=128,
-    qk_pos_emb_head_dim=64,
-    v_head_dim=128,
-)
-QWEN3_235B_A22B = Architecture(
-    attention="gqa",
-    num_attention_heads=64,
-    ffn_hidden_size=12288,
-    moe_ffn_hidden_size=1536,
-    shared_expert_ffn_hidden_size=0,
-    vocab_size=151936,
-    num_query_groups=4,
-    kv_channels=128,
-)
-
-
-@dataclass(frozen=True)
-class Performance:
-    """The instance's optional ``performance`` block: how fast the job's GPUs compute.
-
-    ``peak_tflops`` 0 = the table value of ``gpu`` and ``precision``; ``vpp`` virtual pipeline
-    stages per GPU; ``expert_load`` ``routing`` (each GPU's share of the window's (token, expert)
-    pairs) or ``balanced`` (forced-balanced benchmark runs, Megatron's
-    ``--moe-router-force-load-balancing``: every GPU at the mean).
-    """
-
-    gpu: str
-    precision: str
-    architecture: Architecture
-    gemm_efficiency: float = CALIBRATED_GEMM_EFFICIENCY
-    layer_overhead_s: float = 0.0
-    schedule: str = "1f1b"
-    vpp: int = 1
-    overlap: str = "1f1b"
-    expert_load: str = "routing"
-    grad_reduce_bytes_per_param: float = 4.0  # FP32 gradient reduce-scatter (Megatron's default)
-    param_gather_bytes_per_param: float = 2.0  # BF16 parameter all-gather
-    peak_tflops: float = 0.0
-
-    @property
-    def peak_flops_per_s(self) -> float:
-        tflops = self.peak_tflops or GPU_KINDS[self.gpu].peak_dense_tflops[self.precision]
-        return tflops * 1e12
+    load = np.asarray(load_over_window, dtype=np.float64)
+    if ep <= 1 or pairs_per_gpu <= 0:
+        return load
+    return load + np.sqrt(2.0 * np.log(ep)) * np.sqrt(load / pairs_per_gpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +215,19 @@ def attention_flops_per_token(arch: Architecture, hidden_size: int, seq_len: int
         kv = arch.kv_channels * arch.num_query_groups
         terms = h * (q + 2 * kv) + q * s / 2 * 2 + q * h
     return 3 * 2 * float(terms)
+
+
+def attention_core_flops_per_token(arch: Architecture, seq_len: int) -> float:
+    """The score and value products of :func:`attention_flops_per_token` (causal half).
+
+    They run in BF16 (the attention kernel) even in FP8 recipes, so the model prices them at the
+    BF16 peak.
+    """
+    n, s = arch.num_attention_heads, seq_len
+    if arch.attention == "mla":
+        dq = arch.qk_head_dim + arch.qk_pos_emb_head_dim
+        return 3 * 2 * float(s * n * dq / 2 + s * n * arch.v_head_dim / 2)
+    return 3 * 2 * float(arch.kv_channels * n * s)
 
 
 def layer_flops_per_token(
@@ -308,7 +287,8 @@ def stage_slots(instance: Instance, perf: Performance | None = None) -> list[int
     Megatron's ``pipeline_model_parallel_layout``).
     """
     perf = perf or _require(instance)
-    slots = [len(s) for s in instance.parallel.stage_layers]
+    n = instance.model.num_layers  # MTP layers (index >= num_layers) are counted on the last stage
+    slots = [sum(1 for layer in s if layer < n) for s in instance.parallel.stage_layers]
     slots[0] += 1
     slots[-1] += perf.architecture.mtp_num_layers + 1
     return slots
@@ -369,6 +349,8 @@ class StepTimeModel:
     Parameters
     ----------
     instance : an instance with a ``performance`` block.
+    performance : price with this block instead of the instance's (e.g. one of
+        :func:`performance_settings`).
 
     Notes
     -----
@@ -377,8 +359,8 @@ class StepTimeModel:
     candidate's ``rank2gpu``.
     """
 
-    def __init__(self, instance: Instance):
-        perf = _require(instance)
+    def __init__(self, instance: Instance, performance: Performance | None = None):
+        perf = performance or _require(instance)
         self.instance = instance
         self.perf = perf
         m, par, cl = instance.model, instance.parallel, instance.cluster
@@ -386,25 +368,39 @@ class StepTimeModel:
         self.micro_batches = par.micro_batches_per_step
         tokens_mb = par.micro_batch * par.seq_len / (par.tp * par.cp)  # tokens per GPU per micro-batch
         rate = perf.peak_flops_per_s * perf.gemm_efficiency
+        rate_bf16 = perf.bf16_peak_flops_per_s * perf.gemm_efficiency
+        rate_expert = perf.peak_flops_per_s * perf.expert_gemm_efficiency
+        core = attention_core_flops_per_token(arch, par.seq_len)
         moe_pos = {layer: i for i, layer in enumerate(m.moe_layers)}
         last_moe = (m.num_layers - 1) in moe_pos
-        # Per stage: list of (dense_s, routed_mean_s, moe_index or -1) per layer, per micro-batch.
+
+        def dense_time(d: float) -> float:
+            return ((d - core) / rate + core / rate_bf16) * tokens_mb
+
+        # Per stage: per layer (dense_s, routed_mean_s, moe index or -1, -2 for the output head).
         dense_s: list[list[float]] = []
         routed_s: list[list[float]] = []
         moe_idx: list[list[int]] = []
         for s, layers in enumerate(par.stage_layers):
             ds, rs, mi = [], [], []
             for layer in layers:
+                if layer >= m.num_layers:  # an MTP layer held in the stage: priced below
+                    continue
                 d, r = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, layer in moe_pos)
-                ds.append(d * tokens_mb / rate)
-                rs.append(r * tokens_mb / rate)
+                ds.append(dense_time(d))
+                rs.append(r * tokens_mb / rate_expert)
                 mi.append(moe_pos.get(layer, -1))
             if s == par.pp - 1:
                 d, r = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, last_moe)
-                mtp_idx = (m.num_moe_layers - 1) if last_moe else -1
-                for _ in range(arch.mtp_num_layers):
-                    ds.append(d * tokens_mb / rate)
-                    rs.append(r * tokens_mb / rate)
+                # An MTP layer's all-to-all and load: its own MoE layer when the instance has it
+                # (index num_layers + j), else the last decoder MoE layer's as a stand-in.
+                stand_in = (m.num_moe_layers - 1 - len(m.mtp_moe_layers)) if last_moe else -1
+                for j in range(arch.mtp_num_layers):
+                    own = moe_pos.get(m.num_layers + j, -1)
+                    dj, rj = (d, r) if own < 0 else layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, True)
+                    mtp_idx = own if own >= 0 else stand_in
+                    ds.append(dense_time(dj))
+                    rs.append(rj * tokens_mb / rate_expert if mtp_idx >= 0 else 0.0)
                     mi.append(mtp_idx)
                 # Output layer(s) and MTP projections: compute without an all-to-all.
                 ds.append(_head_flops_per_token(arch, m.hidden_size) * tokens_mb / rate)
@@ -417,8 +413,30 @@ class StepTimeModel:
         self._routed = [np.array(x) for x in routed_s]
         self._moe_idx = [np.array(x, dtype=np.int64) for x in moe_idx]
         self._overhead = [np.where(np.array(x) == -2, 0.0, perf.layer_overhead_s) for x in moe_idx]
+        self._all_dense = np.concatenate(self._dense)
+        self._all_routed = np.concatenate(self._routed)
+        self._all_idx = np.concatenate(self._moe_idx)
+        self._all_overhead = np.concatenate(self._overhead)
+        self._stage_of = np.repeat(np.arange(len(self._dense)), [len(x) for x in self._dense])
+        self._pairs_per_gpu = tokens_mb * m.top_k
+        self._ep = par.ep
+        # The four transfers' bytes per copy and their achieved bandwidths (bytes/s) per link.
         tb = m.transfer_bytes_per_copy
-        self._fwd_share = (tb["forward_dispatch"] + tb["forward_combine"]) / m.roundtrip_bytes_per_copy
+        self._nic_copy = float(m.nic_bytes_per_copy)
+        order = ("forward_dispatch", "forward_combine", "backward_combine", "backward_dispatch")
+        self._transfer_bytes = np.array([tb[k] for k in order], dtype=np.float64)
+        nvl = cl.nvlink_gbps * 1e9
+        nic = cl.scaleout_gbps * 1e9
+        # Dispatch-like transfers (source -> expert): forward dispatch, backward combine.
+        self._nvl_bps = nvl * np.array(
+            [perf.nvlink_dispatch_efficiency, perf.nvlink_combine_efficiency, perf.nvlink_dispatch_efficiency, perf.nvlink_combine_efficiency]
+        )
+        self._nic_bps = nic * perf.nic_efficiency
+        # Spec-priced all-to-all seconds (Metrics.alltoall_time_s_per_layer) -> achieved seconds when
+        # the per-link bytes are not given: the slower of the two links' efficiencies.
+        self._spec_share = self._transfer_bytes / self._transfer_bytes.sum()
+        self._spec_slowdown = 1.0 / np.minimum(self._nvl_bps / nvl, perf.nic_efficiency)
+        self._sm_share = perf.comm_sm_share
         # Data-parallel parameters per GPU of each stage: dense (over dp*cp) and expert (over edp).
         h = m.hidden_size
         f = _ffn_factor(arch)
@@ -427,6 +445,8 @@ class StepTimeModel:
         expert_p = np.zeros(par.pp)
         for s, layers in enumerate(par.stage_layers):
             for layer in layers:
+                if layer >= m.num_layers:
+                    continue
                 if layer in moe_pos:
                     dense_p[s] += attn_p + h * arch.shared_expert_ffn_hidden_size * f + h * m.num_experts
                     expert_p[s] += instance.experts_per_rank * h * arch.moe_ffn_hidden_size * f
@@ -441,15 +461,15 @@ class StepTimeModel:
         self.expert_params_per_gpu = expert_p
         self._bytes_per_param = perf.grad_reduce_bytes_per_param + perf.param_gather_bytes_per_param
         self._rs_share = perf.grad_reduce_bytes_per_param / self._bytes_per_param if self._bytes_per_param else 0.5
-        self._nic_bps = cl.scaleout_gbps * 1e9
-        self._nvl_bps = cl.nvlink_gbps * 1e9
+        self._dp_nic_bps = nic
+        self._dp_nvl_bps = nvl
         self.flops_per_token = model_flops_per_token(instance)
         self.tokens_per_step = par.global_batch * par.seq_len
         self.world = par.world_size
         # Data-parallel groups: (pp, groups, members) global ranks, dense then expert.
         coords = par.rank_coords
-        self._dense_groups = self._dense_dp_groups(coords)
-        self._expert_groups = self._expert_dp_groups()
+        self._dense_groups = np.stack(self._dense_dp_groups(coords))
+        self._expert_groups = np.stack(self._expert_dp_groups())
 
     # -- data-parallel groups ----------------------------------------------------------------
     def _dense_dp_groups(self, coords: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -468,28 +488,78 @@ class StepTimeModel:
         groups = self.instance.parallel.stage_ep_groups  # (pp, G, ep)
         return [np.ascontiguousarray(groups[s].T) for s in range(groups.shape[0])]
 
+    def _group_time_s(self, groups: np.ndarray, params: np.ndarray, rank2gpu: np.ndarray | None) -> np.ndarray:
+        """(pp,) reduce-scatter + all-gather seconds of the slowest group of each stage.
+
+        A group inside one NVLink domain runs NCCL's ring on NVLink: ``S (n-1)/n / nvlink``.  A
+        group over ``k`` domains with at least ``g`` members in each runs hierarchically: the
+        NVLink part ``S (g-1)/g / nvlink``, then the inter-domain ring on a ``1/g`` shard per GPU,
+        every member using its own NIC: ``S (k-1)/(k g) / nic``.  Without ``rank2gpu`` every
+        member is taken to sit in its own domain (``k = n``, ``g = 1``).
+        """
+        pp, ngroups, n = groups.shape
+        size = params * self._bytes_per_param  # (pp,)
+        if n <= 1:
+            return np.zeros(pp)
+        if rank2gpu is None:
+            k = np.full((pp, ngroups), float(n))
+            g = np.ones((pp, ngroups))
+        else:
+            cl = self.instance.cluster
+            nd = cl.num_domains
+            doms = cl.gpu2domain[np.asarray(rank2gpu)[groups]]  # (pp, G, n)
+            rows = np.arange(pp * ngroups).reshape(pp, ngroups, 1) * nd
+            counts = np.bincount((rows + doms).reshape(-1), minlength=pp * ngroups * nd).reshape(pp, ngroups, nd)
+            k = (counts > 0).sum(axis=2).astype(np.float64)
+            g = np.where(counts > 0, counts, n).min(axis=2).astype(np.float64)
+        inside = (n - 1) / n / self._dp_nvl_bps
+        spans = (g - 1) / g / self._dp_nvl_bps + (k - 1) / (k * g) / self._dp_nic_bps
+        per_byte = np.where(k <= 1, inside, spans)  # (pp, G)
+        return size * per_byte.max(axis=1)
+
     def _dp_time_s(self, rank2gpu: np.ndarray | None) -> np.ndarray:
-        """(pp,) reduce-scatter + all-gather seconds per GPU of each stage, and the NIC flag."""
-        par = self.instance.parallel
-        g2d = self.instance.cluster.gpu2domain
-        out = np.zeros(par.pp)
-        for s in range(par.pp):
-            t = 0.0
-            for groups, params in ((self._dense_groups[s], self.dense_params_per_gpu[s]), (self._expert_groups[s], self.expert_params_per_gpu[s])):
-                n = groups.shape[1]
-                if n <= 1 or params == 0:
-                    continue
-                if rank2gpu is None:
-                    spans = True
-                else:
-                    doms = g2d[np.asarray(rank2gpu)[groups]]
-                    spans = bool(np.any(doms.min(axis=1) != doms.max(axis=1)))
-                bw = self._nic_bps if spans else self._nvl_bps
-                t += params * self._bytes_per_param * (n - 1) / n / bw
-            out[s] = t
-        return out
+        """(pp,) reduce-scatter + all-gather seconds per GPU of each stage."""
+        return self._group_time_s(self._dense_groups, self.dense_params_per_gpu, rank2gpu) + self._group_time_s(
+            self._expert_groups, self.expert_params_per_gpu, rank2gpu
+        )
 
     # -- the score ---------------------------------------------------------------------------
+    def transfer_times_s(
+        self,
+        alltoall_time_s_per_layer: Sequence[float],
+        nic_bytes_per_layer: Sequence[float] | None = None,
+        nvlink_bytes_per_layer: Sequence[float] | None = None,
+    ) -> np.ndarray:
+        """(num_moe_layers, 4) seconds per micro-batch of each transfer at the achieved bandwidth.
+
+        Columns: forward dispatch, forward combine, backward combine, backward dispatch.  With the
+        busiest NIC's and NVLink port's bytes per layer (``Metrics.max_gpu_*_bytes_per_layer``)
+        each transfer takes the slower link at its dispatcher's achieved bandwidth; without them,
+        the spec-priced time is split by bytes and slowed by the slower link's efficiency.
+        """
+        m = self.micro_batches
+        if nic_bytes_per_layer is not None and nvlink_bytes_per_layer is not None and len(nvlink_bytes_per_layer):
+            # The evaluator's busiest-NIC count adds the copies a GPU sends and those it receives;
+            # the full-duplex NIC carries them in opposite directions, so each direction holds about
+            # half of them (exactly half when sends and receives balance, as in an all-to-all among
+            # equal groups).
+            nic_copies = np.asarray(nic_bytes_per_layer, dtype=np.float64) / self._nic_copy / m / 2.0
+            nvl_copies = np.asarray(nvlink_bytes_per_layer, dtype=np.float64) / self._nic_copy / m
+            t_nic = nic_copies[:, None] * self._transfer_bytes[None, :] / self._nic_bps
+            t_nvl = nvl_copies[:, None] * self._transfer_bytes[None, :] / self._nvl_bps[None, :]
+            return np.maximum(t_nic, t_nvl)
+        a = np.asarray(alltoall_time_s_per_layer, dtype=np.float64) / m
+        return a[:, None] * (self._spec_share * self._spec_slowdown)[None, :]
+
+    def _pair(self, a: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """One transfer ``a`` overlapped with one compute node ``c`` of the other micro-batch.
+
+        The hidden share ``eta * a`` runs beside ``c`` while its kernels take a share ``f`` of the
+        SMs (``c`` slows by ``f * eta * a``); the rest ``(1 - eta) * a`` stays exposed.
+        """
+        eta, f = self.perf.overlap_efficiency, self._sm_share
+        return (1.0 - eta) * a + np.maximum(eta * a, c + f * eta * a)
+
     def predict(
         self,
         alltoall_time_s_per_layer: Sequence[float],
@@ -497,6 +567,8 @@ class StepTimeModel:
         rank2gpu: np.ndarray | None = None,
         *,
         communication: bool = True,
+        nic_bytes_per_layer: Sequence[float] | None = None,
+        nvlink_bytes_per_layer: Sequence[float] | None = None,
     ) -> Prediction:
         """The prediction from the evaluator's per-MoE-layer lists (see the module docstring).
 
@@ -505,40 +577,63 @@ class StepTimeModel:
         alltoall_time_s_per_layer : (num_moe_layers,) ``Metrics.alltoall_time_s_per_layer``.
         expert_load_max_over_mean_per_layer : (num_moe_layers,) the same Metrics' load ratios.
         rank2gpu : (world,) the placement's rank -> GPU map, for the data-parallel groups' links;
-            ``None`` prices every group on the NICs.
+            ``None`` prices every group as spread over one domain per member.
         communication : False gives the compute-bound step (no all-to-all, no DP traffic).
+        nic_bytes_per_layer, nvlink_bytes_per_layer : (num_moe_layers,) the Metrics' busiest NIC
+            and NVLink port bytes per step; with them each transfer is priced on its own link at
+            its achieved bandwidth (:meth:`transfer_times_s`).
         """
         perf, m = self.perf, self.micro_batches
-        a2a = np.asarray(alltoall_time_s_per_layer, dtype=np.float64) / m
-        if perf.expert_load == "balanced":
-            load = np.ones(len(a2a))
+        n_moe = len(expert_load_max_over_mean_per_layer)
+        if communication:
+            tt = self.transfer_times_s(alltoall_time_s_per_layer, nic_bytes_per_layer, nvlink_bytes_per_layer)
         else:
-            load = np.asarray(expert_load_max_over_mean_per_layer, dtype=np.float64)
+            tt = np.zeros((n_moe, 4))
+        if perf.expert_load == "balanced":
+            window = np.ones(n_moe)
+        else:
+            window = np.asarray(expert_load_max_over_mean_per_layer, dtype=np.float64)
+        load = per_microbatch_load(window, self._pairs_per_gpu, self._ep)
+        if perf.capacity_factor > 0:  # tokens over the per-rank capacity are dropped
+            load = np.minimum(load, perf.capacity_factor)
         pp = len(self._dense)
-        tau = np.zeros(pp)
-        sigma = np.zeros(pp)
-        comp = np.zeros(pp)
-        fwd_free = np.zeros(pp)
-        bwd_free = np.zeros(pp)
-        for s in range(pp):
-            idx = self._moe_idx[s]
-            is_moe = idx >= 0
-            lo = np.where(is_moe, load[np.maximum(idx, 0)] if len(load) else 1.0, 1.0)
-            c = self._dense[s] + self._routed[s] * lo + self._overhead[s]
-            a = np.where(is_moe, a2a[np.maximum(idx, 0)] if len(a2a) else 0.0, 0.0) if communication else np.zeros_like(c)
-            c_f, c_b = c / 3.0, 2.0 * c / 3.0
-            a_f, a_b = a * self._fwd_share, a * (1.0 - self._fwd_share)
-            if perf.overlap == "1f1b":
-                t = c + np.maximum(0.0, a_f - c_b) + np.maximum(0.0, a_b - c_f)
-            else:
-                t = c + a
-            tau[s] = t.sum()
-            sigma[s] = (c + a).sum()
-            comp[s] = c.sum()
-            fwd_free[s] = max(0.0, float((c_f - a_f).sum()))
-            bwd_free[s] = max(0.0, float((c_b - a_b).sum()))
+        # Every layer of every stage at once (self._stage_of), summed per stage with bincount.
+        idx = self._all_idx
+        is_moe = idx >= 0
+        safe = np.maximum(idx, 0)
+        lo = np.where(is_moe, load[safe] if n_moe else 1.0, 1.0)
+        attn = self._all_dense + self._all_overhead
+        mlp = self._all_routed * lo
+        c = attn + mlp
+        t = np.where(is_moe[:, None], tt[safe] if n_moe else 0.0, 0.0)  # (layers, 4)
+        a = t.sum(axis=1)
+        serial = c + a
+        if perf.overlap == "1f1b":
+            # Megatron-Core's combined 1F1B (model_chunk_schedule_plan.py, run()): backward
+            # combine | forward attention; forward dispatch | backward expert GEMMs; backward
+            # dispatch | forward expert GEMMs; forward combine | backward attention.
+            paired = (
+                self._pair(t[:, 2], attn / 3.0)
+                + self._pair(t[:, 0], 2.0 * mlp / 3.0)
+                + self._pair(t[:, 3], mlp / 3.0)
+                + self._pair(t[:, 1], 2.0 * attn / 3.0)
+            )
+            per_layer_tau = np.where(is_moe, paired, c)
+        else:
+            per_layer_tau = serial
+
+        def per_stage(x: np.ndarray) -> np.ndarray:
+            return np.bincount(self._stage_of, weights=x, minlength=pp)
+
+        tau = per_stage(per_layer_tau)
+        sigma = per_stage(serial)
+        comp = per_stage(c)
+        fwd_free = np.maximum(0.0, per_stage(c / 3.0 - t[:, 0] - t[:, 1]))
+        bwd_free = np.maximum(0.0, per_stage(2.0 * c / 3.0 - t[:, 2] - t[:, 3]))
         bubble_units = (pp - 1) / perf.vpp
-        pipeline = m * tau.max() + bubble_units * sigma.max()
+        # m micro-batches: m - 1 paired forward/backward slots, the first forward and the last
+        # backward unpaired (exposed), and the warm-up/cool-down bubble, also unpaired.
+        pipeline = (m - 1) * tau.max() + (1.0 + bubble_units) * sigma.max()
         if communication:
             dp = self._dp_time_s(rank2gpu)
             rs, ag = dp * self._rs_share, dp * (1.0 - self._rs_share)
@@ -548,7 +643,7 @@ class StepTimeModel:
         step = float(pipeline + exposed_dp.max())
         s_tau = int(np.argmax(tau))
         s_sigma = int(np.argmax(sigma))
-        exposed_a2a = m * (tau[s_tau] - comp[s_tau]) + bubble_units * (sigma[s_sigma] - comp[s_sigma])
+        exposed_a2a = (m - 1) * (tau[s_tau] - comp[s_tau]) + (1.0 + bubble_units) * (sigma[s_sigma] - comp[s_sigma])
         compute_bound = float((m + bubble_units) * comp.max())
         return Prediction(
             step_time_s=step,
@@ -562,8 +657,14 @@ class StepTimeModel:
         )
 
     def predict_metrics(self, metrics: Metrics, rank2gpu: np.ndarray | None = None) -> Prediction:
-        """:meth:`predict` on a :class:`~placement.cost.Metrics`."""
-        return self.predict(metrics.alltoall_time_s_per_layer, metrics.expert_load_max_over_mean_per_layer, rank2gpu)
+        """:meth:`predict` on a :class:`~placement.cost.Metrics` (each transfer on its own link)."""
+        return self.predict(
+            metrics.alltoall_time_s_per_layer,
+            metrics.expert_load_max_over_mean_per_layer,
+            rank2gpu,
+            nic_bytes_per_layer=metrics.max_gpu_cross_domain_bytes_per_layer,
+            nvlink_bytes_per_layer=getattr(metrics, "max_gpu_nvlink_bytes_per_layer", None),
+        )
 
     def step_time_s(self, metrics: Metrics, rank2gpu: np.ndarray | None = None) -> float:
         """Predicted seconds of one optimizer step: the score to rank candidate placements by."""

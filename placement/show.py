@@ -245,7 +245,7 @@ def rack_map_figure(
     for x in rm.straddlers:
         footers.setdefault(x.footprint[0][0], []).append(x)
     footer_line = 0.62
-    gap_x, header_h = 1.3, (1.6 if gpt >= 4 else 2.2)
+    gap_x, header_h = 1.3, (1.6 if gpt >= 4 else 2.2) + (0.8 if cl.host_names or cl.domain_names else 0.0)
     gap_y = 0.8 + footer_line * min(_MAX_NOTES, max((len(v) for v in footers.values()), default=0))
     panel_w, panel_h = gpt + gap_x, tpd + header_h + gap_y
     cols = _panel_columns(nd, panel_w, panel_h)
@@ -344,8 +344,13 @@ def rack_map_figure(
         states = rm.gpu2stage[d * tpd * gpt : (d + 1) * tpd * gpt]
         facts = [f"{int((states >= 0).sum())} used"]
         facts += [f"{n} {what}" for n, what in (((states == IDLE).sum(), "idle"), ((states == UNAVAILABLE).sum(), "down")) if n]
-        ax.text(x0 + gpt / 2, y0 - 0.25, f"domain {d}\n" + (", " if gpt >= 4 else "\n").join(facts),
-                ha="center", va="bottom", fontsize=small_pt, linespacing=1.1)
+        head = f"domain {d}"
+        if cl.domain_names is not None or cl.host_names is not None:  # the scheduler's names
+            names = [cl.host_name(d * tpd + t) for t in range(tpd) if cl.host_names is None or cl.host_names[d * tpd + t]]
+            head = (f"{cl.domain_name(d)}" if cl.domain_names is not None else head) + (
+                f"\n{names[0]}..{names[-1]}" if len(names) > 1 else f"\n{names[0]}")
+        ax.text(x0 + gpt / 2, y0 - 0.25, f"{head}\n" + (", " if gpt >= 4 else "\n").join(facts),
+                ha="center", va="bottom", fontsize=small_pt, linespacing=1.1).set_gid(f"domain-{d}")
         notes = footers.get(d, [])
         for i, x in enumerate(notes[:_MAX_NOTES]):
             name = f"s{x.stage}" + (f".{x.group}" if ngroups > 1 else "")

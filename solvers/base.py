@@ -101,6 +101,9 @@ class SolveOptions:
         launcher decides where ranks run, as for SGLang or vLLM serving).
     deadline : ``time.monotonic()`` instant by which the solver returns; derived if not given.
     progress : called with one-line progress messages (the CLI prints them on a terminal).
+    on_progress : called in the calling process with ``(MoE layers whose expert map is finished,
+        MoE layers to place)`` each time a layer finishes (from the pool's answers as they arrive);
+        it only observes: the placement does not depend on it (the CLI draws it as a bar).
     stop_event : set by the caller to ask for the best placement found so far now (the CLI sets
         it on SIGINT/SIGTERM); solvers poll :meth:`should_stop`, which also covers the deadline.
     moves : a move-aware re-placement (:class:`placement.moves.MoveRequest`: the previous placement,
@@ -121,6 +124,7 @@ class SolveOptions:
     layout: LayoutMode = "optimize"
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
+    on_progress: Callable[[int, int], None] | None = field(default=None, compare=False)
     stop_event: threading.Event | None = field(default=None, compare=False)
     moves: MoveRequest | None = field(default=None, compare=False)
     fit: Fit = "robust"
@@ -205,6 +209,9 @@ class SolveResult:
     consumer: Consumer = "none"
     metrics: dict = field(default_factory=dict)  # the evaluator's report, filled by placement.api.solve
     wall_s: float = 0.0  # wall time of the whole solve call, filled by placement.api.solve
+    # The wall-clock safety net (or a stop request) ended some of the work, so the placement may
+    # depend on the machine's speed.  A wall-clock fact: never written into a placement file.
+    wall_clock_cut: bool = field(default=False, compare=False)
 
     @property
     def gap(self) -> float | None:

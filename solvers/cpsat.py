@@ -48,19 +48,20 @@ from solvers.experts import (
 from solvers.kernels import keeps_expert_groups
 from solvers.registry import register
 
-__all__ = ["choose_rank2gpu", "solve_cpsat", "equal_slices_breaks", "step_time_check"]
+__all__ = ["choose_rank2gpu", "clock_cut", "solve_cpsat", "equal_slices_breaks", "step_time_check"]
 
 log = logging.getLogger(__name__)
 
 
 def choose_rank2gpu(
     instance: Instance, options: SolveOptions, *, deadline: float
-) -> tuple[np.ndarray, dict, np.ndarray | None]:
+) -> tuple[np.ndarray, dict, np.ndarray | None, bool]:
     """The rank layout: the ONE place it is decided.
 
-    Returns ``(rank2gpu (world,), info, phy2log or None)``; ``info`` goes into the result's
-    ``details["layout"]``; ``phy2log`` is the expert map the layout was scored with (a start for the
-    expert placer).
+    Returns ``(rank2gpu (world,), info, phy2log or None, wall_clock_cut)``; ``info`` goes into the
+    result's ``details["layout"]``; ``phy2log`` is the expert map the layout was scored with (a start
+    for the expert placer); ``wall_clock_cut`` says the wall clock (or a stop request) ended some of
+    the layout's work (:attr:`solvers.layout.LayoutPlan.wall_clock_cut`).
     ``options.layout == "fixed"`` always gives the default layout; ``optimize`` runs the rank-layout
     search :func:`solvers.layout.plan_layout` on :data:`solvers.layout.LAYOUT_TIME_SHARE` of the time
     left (it never returns a layout its estimate scores worse than the default).
@@ -69,17 +70,30 @@ def choose_rank2gpu(
         prev = options.moves.previous
         return (np.asarray(prev.rank2gpu, dtype=np.int64).copy(),
                 {"source": "previous", "reason": "re-placement keeps the previous rank layout"},
-                np.asarray(prev.phy2log, dtype=np.int64).copy())
+                np.asarray(prev.phy2log, dtype=np.int64).copy(), False)
     rank2gpu = default_rank2gpu(instance)
     if options.layout == "fixed":
-        return rank2gpu, {"source": "default", "reason": "layout fixed"}, None
+        return rank2gpu, {"source": "default", "reason": "layout fixed"}, None, False
     from solvers.layout import LAYOUT_TIME_SHARE, plan_layout
 
     now = time.monotonic()
     # plan_layout sizes its work by options.time_limit_s: hand it the work budget.
     layout_options = dataclasses.replace(options, time_limit_s=options.resolved_work_budget_s())
     plan = plan_layout(instance, layout_options, deadline=now + LAYOUT_TIME_SHARE * max(0.0, deadline - now))
-    return plan.rank2gpu, {"source": "solvers.layout.plan_layout", **plan.details}, plan.phy2log
+    return plan.rank2gpu, {"source": "solvers.layout.plan_layout", **plan.details}, plan.phy2log, plan.wall_clock_cut
+
+
+def clock_cut(details: object) -> bool:
+    """Whether the expert placer's details (any depth) record work ended by the wall clock or a stop
+    request: a layer's ``stopped_early``, a CP-SAT or LNS run's ``wall_clock_cut``, or a layer left
+    at its fallback map (``fallback_reason``)."""
+    if isinstance(details, dict):
+        if details.get("stopped_early") or details.get("wall_clock_cut") or details.get("fallback_reason"):
+            return True
+        return any(clock_cut(v) for v in details.values())
+    if isinstance(details, list):
+        return any(clock_cut(v) for v in details)
+    return False
 
 
 def _expert_options(options: SolveOptions) -> SolveOptions:
@@ -187,7 +201,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     """Rank layout from :func:`choose_rank2gpu`, expert maps from :func:`place_experts`."""
     deadline = options.resolved_deadline()
     t0 = time.monotonic()
-    rank2gpu, layout_info, layout_phy2log = choose_rank2gpu(instance, options, deadline=deadline)
+    rank2gpu, layout_info, layout_phy2log, layout_cut = choose_rank2gpu(instance, options, deadline=deadline)
     _check_consumer(instance, rank2gpu, options)
     gp = bool(options.group_preserving_for(instance))
     if options.objective == "bottleneck":
@@ -261,4 +275,5 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         details=details,
         group_preserving=keeps_expert_groups(placement.phy2log, instance.model.experts_per_group),
         consumer=options.consumer,
+        wall_clock_cut=bool(layout_cut or clock_cut(plan.details.get("layers", []))),
     )

@@ -91,6 +91,8 @@ def test_same_seed_same_placement_file(tiny, solver):
         ({"layout": "random"}, "layout"),
         ({"group_preserving": "yes"}, "group_preserving"),
         ({"finish_reserve_s": -1.0}, "finish_reserve_s"),
+        ({"wall_limit_s": 0}, "wall_limit_s"),
+        ({"wall_limit_s": float("inf")}, "wall_limit_s"),
     ],
 )
 def test_bad_arguments_name_the_parameter(tiny, kwargs, name):
@@ -144,6 +146,34 @@ def test_solver_gets_the_deadline_the_stop_event_and_the_solver_view(tiny, monke
     result = placement.solve(tiny, solver="_spy", stop_event=event)
     assert seen["should_stop"] is True and seen["options"].time_left_s() == 0.0
     assert result.details["interrupted"] is True
+
+
+def test_a_wall_limit_moves_the_deadline_not_the_work(tiny, monkeypatch):
+    """``wall_limit_s`` (the safety net ``placement plan`` gives its solves) sets the deadline; the
+    work budget and the recorded parameters still come from ``time_limit_s``."""
+    seen: list = []
+
+    def spy(instance, options):
+        seen.append(options)
+        return SolveResult(default_placement(instance), "_spy", "heuristic", 0.0)
+
+    monkeypatch.setitem(SOLVERS, "_spy", spy)
+    t0 = time.monotonic()
+    a = placement.solve(tiny, solver="_spy", time_limit_s=10, started_at=t0, finish_reserve_s=1.0)
+    b = placement.solve(tiny, solver="_spy", time_limit_s=10, wall_limit_s=40, started_at=t0, finish_reserve_s=1.0)
+    assert seen[0].deadline == pytest.approx(t0 + 9.0) and seen[1].deadline == pytest.approx(t0 + 39.0)
+    assert seen[0].work_budget_s == seen[1].work_budget_s and seen[0].time_limit_s == seen[1].time_limit_s == 10
+    assert a.params == b.params
+
+
+def test_a_solve_cut_by_its_safety_net_says_so_and_a_normal_one_does_not(tiny):
+    normal = placement.solve(tiny, time_limit_s=10, seed=1, num_workers=1)
+    assert normal.wall_clock_cut is False
+    # a net already past when the solver starts: the rank layout and the layers stop at once
+    cut = placement.solve(tiny, time_limit_s=10, wall_limit_s=1e-6, seed=1, num_workers=1)
+    assert cut.wall_clock_cut is True
+    assert placement.check_placement(tiny, cut.placement) == []
+    assert "wall_clock_cut" not in json.dumps(placement.result_document(tiny, normal)["solve"]["details"]["layout"])
 
 
 def test_default_reserve_scales_with_the_routing_sample(tiny):

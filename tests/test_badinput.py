@@ -187,7 +187,7 @@ INSTANCE_CASES: list[tuple[str, Callable[[dict], None], str]] = [
     ("routing path is a folder", _set("routing", "file", "."), "routing.file"),
     ("newline in a key", _set("model", "bad\nkey", 1), "model.bad\\nkey"),
     # the performance block (predicted step time)
-    ("unknown GPU kind", _set("performance", "gpu", "h100"), "performance.gpu"),
+    ("unknown GPU kind", _set("performance", "gpu", "a100"), "performance.gpu"),
     ("negative efficiency", _set("performance", "gemm_efficiency", -0.3), "performance.gemm_efficiency"),
     ("efficiency over 1", _set("performance", "gemm_efficiency", 1.5), "performance.gemm_efficiency"),
     ("vpp not dividing a stage's layers", _set("performance", "vpp", 2), "performance.vpp"),

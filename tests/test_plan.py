@@ -195,8 +195,12 @@ def test_stage_split_is_the_brute_force_optimum(files, num_layers):
 
 def test_dsv3_pp16_split_is_the_committed_instances():
     job = read_job(INSTANCES / "dsv3_job.json")
-    committed = json.loads((INSTANCES / "dsv3_1024.json").read_text())["parallel"]["stage_layers"]
-    assert [list(s) for s in stage_split(job, 16, 1)] == committed
+    doc = json.loads((INSTANCES / "dsv3_1024.json").read_text())
+    # The committed instance overlaps the all-to-all, so it runs a virtual pipeline (Megatron-Core
+    # needs vpp > 1 with pp > 1): the plan's split for that vpp is the instance's.
+    vpp = doc["performance"]["vpp"]
+    assert vpp == 2
+    assert [list(s) for s in stage_split(job, 16, vpp)] == doc["parallel"]["stage_layers"]
 
 
 def test_enumeration_against_brute_force(files):
@@ -272,6 +276,19 @@ def tiny_plans(tmp_path_factory):
 
 def test_plan_is_identical_with_one_and_two_workers(tiny_plans):
     assert dumps(plan_document(tiny_plans["w1"])) == dumps(plan_document(tiny_plans["w2"]))
+
+
+def test_a_plan_cut_by_the_wall_clock_says_so(tiny_plans):
+    from placement.plan import plan_table
+
+    r = tiny_plans["w1"]
+    assert r.counts["wall_clock_cut"] == 0 and not r.deadline_hit
+    assert all("wall_clock_cut" not in row.details for row in r.rows)
+    assert "may depend on the machine's load" not in plan_table(r)
+    cut = dataclasses.replace(r, counts={**r.counts, "wall_clock_cut": 2})
+    assert "the wall-clock safety net cut 2 solves short: the plan may depend on the machine's load" in plan_table(cut)
+    late = dataclasses.replace(r, deadline_hit=True)
+    assert "the wall-clock deadline ended the plan early" in plan_table(late)
 
 
 def test_pruning_never_drops_the_winner(tiny_plans):

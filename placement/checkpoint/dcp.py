@@ -109,9 +109,13 @@ class _Plan:
         self.routers: set[int] = set()
         self.weights: set[int] = set()
         num_layers = spec.num_layers
-        if num_layers is None:
-            num_layers = _infer_dcp_num_layers(spec.stack, md.state_dict_metadata)
-        self.num_layers = num_layers
+        found = _infer_dcp_num_layers(spec.stack, md.state_dict_metadata)
+        if num_layers is not None and found is not None and spec.stack == "megatron" and found != num_layers:
+            raise InvalidInputError(
+                f"num_layers: the permutation says {num_layers} decoder layers, the checkpoint's stacked "
+                f"decoder.layers.* tensors hold {found}"
+            )
+        self.num_layers = num_layers if num_layers is not None else found
         self.layout = _BucketLayout(spec.bucket_layout) if spec.bucket_layout is not None else None
         for fqn, item in md.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
@@ -630,8 +634,10 @@ def permute_dcp(
     keep_router : bool
         Move the experts only, for :mod:`placement.runtime` (see :func:`permute_entries`).
     num_layers : int, optional
-        Decoder layers (MTP layer ``J`` is layer ``num_layers + J``); read from the checkpoint by
-        default (Megatron: the stacked layer axis; TorchTitan: the ``layers.N`` names).
+        Decoder layers (MTP layer ``J`` is layer ``num_layers + J``); by default the document's
+        ``num_layers`` (``placement export`` writes it), else read from the checkpoint (Megatron:
+        the stacked layer axis, which must agree with the document's; TorchTitan: the
+        ``layers.N`` names).
     bucket_layout : mapping, JSON path, optional
         Megatron-Core's ``dp_reshardable`` optimizer: where each parameter lies in the buckets,
         as :func:`placement.checkpoint.write_megatron_bucket_layout` records it.
@@ -667,6 +673,8 @@ def permute_dcp(
     if chosen not in ("megatron", "torchtitan"):
         raise InvalidInputError(f"stack: expected megatron or torchtitan, found {chosen!r}")
     groups = 1 if keep_router else (_doc_groups(meta) if num_groups is None else num_groups)
+    if num_layers is None and isinstance(meta.get("num_layers"), int):
+        num_layers = int(meta["num_layers"])  # placement export writes the model's decoder layers
     perms = tuple(sorted((int(l), tuple(int(x) for x in check_permutation(int(l), p, groups))) for l, p in layers.items()))
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if not (src / ".metadata").is_file():

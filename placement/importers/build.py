@@ -15,7 +15,7 @@ import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -108,8 +108,14 @@ def _parts(doc: dict[str, Any], name: str, cost_mode: str, description: str) -> 
             raise InvalidInputError(msg) from None
 
 
-def _calls(source: str, traces: Sequence[str | os.PathLike[str]], inst: Instance) -> Iterator[core.RouterCall]:
+def _calls(source: str, traces: Sequence[str | os.PathLike[str]], inst: Instance,
+           on_bytes: Callable[[int], None] | None = None) -> Iterator[core.RouterCall]:
     model = inst.model
+    if source in ("sglang", "vllm") and model.mtp_moe_layers:
+        raise InvalidInputError(
+            f"model.moe_layers: {source} traces have no rows for MTP layers ({list(model.mtp_moe_layers)}); "
+            "list the decoder's MoE layers only"
+        )
     if source in ("megatron", "torchtitan"):
         from placement.importers import megatron
 
@@ -120,7 +126,7 @@ def _calls(source: str, traces: Sequence[str | os.PathLike[str]], inst: Instance
                     f"TorchTitan's tokens_per_expert cannot build an instance, which needs per-token ids: record "
                     f"them with placement.importers.recorder"
                 )
-        return megatron.read_calls(traces, model)
+        return megatron.read_calls(traces, model, on_bytes)
     if source == "sglang":
         from placement.importers import sglang
 
@@ -133,12 +139,23 @@ def _calls(source: str, traces: Sequence[str | os.PathLike[str]], inst: Instance
                 return stage_moe[int(par.rank2stage[rank])]
             return list(model.moe_layers)  # the core names the bad rank
 
-        return sglang.read_calls(traces, model, layers_of)
+        return sglang.read_calls(traces, model, layers_of, on_bytes)
     if source == "vllm":
         from placement.importers import vllm
 
-        return vllm.read_calls(traces, model)
+        return vllm.read_calls(traces, model, on_bytes)
     raise InvalidInputError(f"--from: expected one of {', '.join(SOURCES)}, found {source!r}")
+
+
+def _trace_bytes(traces: Sequence[str | os.PathLike[str]]) -> int:
+    """Bytes of the distinct trace files (those that cannot be read count 0: the readers say why)."""
+    total = 0
+    for p in sorted({str(t) for t in traces}):
+        try:
+            total += Path(p).stat().st_size
+        except (OSError, ValueError):
+            pass
+    return total
 
 
 def import_instance(
@@ -154,6 +171,7 @@ def import_instance(
     heldout_steps: int | None = None,
     max_tokens_per_source: int = core.DEFAULT_MAX_TOKENS_PER_SOURCE,
     windows: int = 1,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Instance:
     """An instance whose routing windows come from recorded traces.
 
@@ -169,6 +187,8 @@ def import_instance(
     max_tokens_per_source : cap on the tokens kept per source and window.
     windows : cut the fit steps into this many time-ordered sampled windows (``routing.window_tokens``,
         for ``placement solve --fit``); 1 = one sampled window.
+    on_progress : called with ``(bytes of trace files read, bytes of all trace files)`` as the
+        readers scan them (a :data:`placement.progress.ProgressCallback`); it only observes.
 
     Raises
     ------
@@ -198,8 +218,18 @@ def import_instance(
         aligned_steps=source in ("megatron", "torchtitan"),
         windows=windows,
     )
+    on_bytes = None
+    if on_progress is not None:
+        report = on_progress
+        total = _trace_bytes(traces)
+        done = [0]
+
+        def on_bytes(n: int) -> None:
+            done[0] += n
+            report(min(done[0], total), total)
+
     result = core.build_routing(
-        _calls(source, traces, skeleton), skeleton.model, skeleton.parallel, options, label=f"--from {source} traces"
+        _calls(source, traces, skeleton, on_bytes), skeleton.model, skeleton.parallel, options, label=f"--from {source} traces"
     )
     provenance = {
         "importer": source,

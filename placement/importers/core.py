@@ -235,7 +235,8 @@ def build_routing(
             layer = layers[call.layer]
         else:
             layer = call.layer
-            if stage >= 0 and l2s.get(layer) != stage:
+            held = parallel.pp - 1 if model.is_mtp(layer) else l2s.get(layer)  # MTP: the last stage
+            if stage >= 0 and held != stage:
                 raise InvalidInputError(
                     f"{call.where}: layer {layer} is not held by {who} (parallel.stage_layers)"
                 )

@@ -10,8 +10,9 @@ wheel): one JSONL file per rank, one record per router call::
 ``layer`` is the index ``i`` of the router's module ``decoder.layers.<i>.mlp.router``: local to
 the pipeline stage (each stage's ``decoder.layers`` holds only its own layers).  ``stage`` is the
 tracer's capture point, not the pipeline stage; the stage comes from the rank and the layout.
-``block == "mtp"`` records (multi-token-prediction heads, with ``mtp_idx``) are skipped: those
-layers are not among the model's layers.  In training (``--moe-routing-trace-path``, wired into
+``block == "mtp"`` records (multi-token-prediction heads, with ``mtp_idx``; ``layer`` is the inner
+layer, 0 for a single-layer head) are the MoE layer ``num_layers + mtp_idx`` when the model has MTP
+MoE layers (``model.mtp_num_layers``), and are skipped otherwise.  In training (``--moe-routing-trace-path``, wired into
 ``megatron/training/training.py``) ``step`` is the iteration and every micro-batch adds one record
 per layer; in inference it counts forward passes.  :mod:`placement.importers.recorder` writes the
 same schema for Megatron-Core releases without the tracer and for TorchTitan.
@@ -28,7 +29,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -95,8 +96,11 @@ def _ids(rec: dict, where: str, checker: IdChecker, check: bool = True) -> np.nd
     return checker.check(ids, where) if check else ids.astype(np.int64, copy=False)
 
 
-def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iterator[RouterCall]:
-    """Scan Megatron router traces; yields one :class:`RouterCall` per decoder record.
+def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel,
+               on_bytes: Callable[[int], None] | None = None) -> Iterator[RouterCall]:
+    """Scan Megatron router traces; yields one :class:`RouterCall` per decoder (and MTP) record.
+
+    ``on_bytes`` is called with the length of every line scanned (progress; it only observes).
 
     Raises
     ------
@@ -120,6 +124,8 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
                 number += 1
                 where = f"{path}: record {number}"
                 start, offset = offset, offset + len(line)
+                if on_bytes is not None:
+                    on_bytes(len(line))
                 if len(line) > MAX_RECORD_BYTES:
                     raise InvalidInputError(f"{where}: a record longer than {MAX_RECORD_BYTES:,} bytes")
                 if not line.strip():
@@ -129,10 +135,20 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
                     _parse(line, where)  # a clear JSON error when it is cut mid-record
                     raise InvalidInputError(f"{where}: the last record has no newline (truncated file?)")
                 rec = _parse(line, where)
-                if rec.get("block", "decoder") != "decoder":
+                block = rec.get("block", "decoder")
+                mtp = block == "mtp" and model.mtp_num_layers > 0
+                if block != "decoder" and not mtp:
                     continue
                 step = _int_field(rec, "step", where)
                 layer = _int_field(rec, "layer", where)
+                if mtp:
+                    head = _int_field(rec, "mtp_idx", where)
+                    if layer != 0 or not 0 <= head < model.mtp_num_layers:
+                        raise InvalidInputError(
+                            f"{where}: MTP record mtp_idx={head} layer={layer}: expected mtp_idx < "
+                            f"model.mtp_num_layers={model.mtp_num_layers} and inner layer 0"
+                        )
+                    layer = model.num_layers + head
                 rank = _int_field(rec, "rank", where)
                 if name_rank is not None and rank != name_rank:
                     raise InvalidInputError(f"{where}: rank {rank} in a file named for rank {name_rank}")
@@ -149,7 +165,7 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
                     num_tokens=int(ids.shape[0]),
                     load=_Loader(path, start, len(line), where, checker),
                     rank=rank,
-                    local_layer=True,
+                    local_layer=not mtp,
                 )
 
 

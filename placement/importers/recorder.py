@@ -10,7 +10,14 @@ write ``router_trace_rank{rank}.jsonl`` with the records ``placement import --fr
      "num_tokens": 4096, "topk": 8, "top_indices": [[...], ...]}
 
 ``layer`` is the router's layer position inside the rank's pipeline stage, counting dense layers
-too (``parallel.stage_layers[stage][layer]`` is the model layer), as in Megatron's traces.
+too (``parallel.stage_layers[stage][layer]`` is the model layer), as in Megatron's traces.  A
+multi-token-prediction head's router (``mtp_routers``) writes ``"block": "mtp", "mtp_idx": j,
+"layer": 0``, as Megatron-LM's tracer does (``router_trace.py``, main); the importer reads it as
+model layer ``num_layers + j`` when the instance has MTP MoE layers.
+
+With :mod:`placement.runtime`'s expert map installed the recorded ids are **logical** (the map
+remaps after the router: Megatron-Core's ``MoELayer.route`` wrapper, TorchTitan's pre-hook on
+``routed_experts``), whether the recorder is created before or after the map.
 
 Router outputs understood: any tuple holding an integer tensor of expert ids ``(..., top_k)``
 (TorchTitan's ``TokenChoiceTopKRouter`` returns ``(scores, expert_ids (B, L, K), scores_BLE)``)
@@ -35,7 +42,14 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["RouterRecorder", "torchtitan_routers", "megatron_routers", "expert_ids_of"]
+__all__ = [
+    "RouterRecorder",
+    "torchtitan_routers",
+    "torchtitan_mtp_routers",
+    "megatron_routers",
+    "megatron_mtp_routers",
+    "expert_ids_of",
+]
 
 
 def expert_ids_of(output: Any) -> Any:
@@ -66,10 +80,16 @@ class RouterRecorder:
     rank : this process's global rank.
     routers : stage-local layer position -> router module.
     max_steps : stop recording after this many steps (None: never).
+    mtp_routers : MTP head index -> router module (the last pipeline stage's).
     """
 
     def __init__(
-        self, output_dir: str | os.PathLike[str], rank: int, routers: Mapping[int, Any], max_steps: int | None = None
+        self,
+        output_dir: str | os.PathLike[str],
+        rank: int,
+        routers: Mapping[int, Any],
+        max_steps: int | None = None,
+        mtp_routers: Mapping[int, Any] | None = None,
     ) -> None:
         self.rank = int(rank)
         self.step = 0
@@ -79,26 +99,30 @@ class RouterRecorder:
         self.path = Path(output_dir) / f"router_trace_rank{self.rank}.jsonl"
         self.path.write_text("")
         self._handles = [module.register_forward_hook(self._hook(int(layer))) for layer, module in sorted(routers.items())]
+        self._handles += [
+            module.register_forward_hook(self._hook(0, mtp_idx=int(j))) for j, module in sorted((mtp_routers or {}).items())
+        ]
 
-    def _hook(self, layer: int) -> Any:
+    def _hook(self, layer: int, mtp_idx: int | None = None) -> Any:
         def hook(module: Any, inputs: Any, output: Any) -> None:
             if self.max_steps is not None and self.step >= self.max_steps:
                 return
             ids = expert_ids_of(output)
             if ids is None:
                 return
-            self.records.append(
-                {
-                    "step": self.step,
-                    "stage": "pre_dispatch",
-                    "block": "decoder",
-                    "layer": layer,
-                    "rank": self.rank,
-                    "num_tokens": int(ids.shape[0]),
-                    "topk": int(ids.shape[1]),
-                    "top_indices": ids.tolist(),
-                }
-            )
+            record = {
+                "step": self.step,
+                "stage": "pre_dispatch",
+                "block": "decoder" if mtp_idx is None else "mtp",
+                "layer": layer,
+                "rank": self.rank,
+                "num_tokens": int(ids.shape[0]),
+                "topk": int(ids.shape[1]),
+                "top_indices": ids.tolist(),
+            }
+            if mtp_idx is not None:
+                record["mtp_idx"] = mtp_idx
+            self.records.append(record)
 
         return hook
 
@@ -125,7 +149,10 @@ class RouterRecorder:
 
 
 _TT_ROUTER = re.compile(r"^layers\.(\d+)\.moe\.router$")
+_TT_MTP_ROUTER = re.compile(r"^mtp_layers\.(\d+)\.moe\.router$")
 _MC_ROUTER = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router$")
+# 0.16.1: mtp.layers.J.transformer_layer; core_v0.19.0 and main: mtp.layers.J.mtp_model_layer
+_MC_MTP_ROUTER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.mlp\.router$")
 
 
 def torchtitan_routers(model: Any) -> dict[int, Any]:
@@ -148,6 +175,26 @@ def megatron_routers(model: Any) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for name, module in model.named_modules():
         m = _MC_ROUTER.search(name)
+        if m:
+            out[int(m.group(1))] = module
+    return out
+
+
+def megatron_mtp_routers(model: Any) -> dict[int, Any]:
+    """MTP heads' routers of a Megatron-Core GPTModel (last stage) by head index ``j``."""
+    out: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        m = _MC_MTP_ROUTER.search(name)
+        if m:
+            out[int(m.group(1))] = module
+    return out
+
+
+def torchtitan_mtp_routers(model: Any) -> dict[int, Any]:
+    """MTP layers' routers of a TorchTitan ``MTPDecoder`` (``mtp_layers.<j>.moe.router``, main) by ``j``."""
+    out: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        m = _TT_MTP_ROUTER.match(name)
         if m:
             out[int(m.group(1))] = module
     return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -70,18 +70,22 @@ def _array(value: Any, where: str, name: str) -> np.ndarray:
 
 
 def read_calls(
-    paths: Sequence[str | os.PathLike[str]], model: MoEModel, stage_of_rank: Any = None
+    paths: Sequence[str | os.PathLike[str]], model: MoEModel, stage_of_rank: Any = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Iterator[RouterCall]:
     """One :class:`RouterCall` per (record, MoE layer) of SGLang ``per_token`` dumps.
 
     ``stage_of_rank``: optional callable rank -> the MoE layers (model indices) that rank's stage
     runs; tokens are dropped as padding only when -1 appears in those layers (default: all).
+    ``on_bytes`` is called with each file's size once it is loaded (progress; it only observes).
     """
     checker = IdChecker(model)
     k = model.top_k
     for p in sorted({str(x) for x in paths}):
         path = Path(p)
         doc = load_dump(path)
+        if on_bytes is not None:
+            on_bytes(path.stat().st_size)
         if not isinstance(doc, dict):
             raise InvalidInputError(f"{path}: expected a dict with 'records', found {type(doc).__name__}")
         if "records" not in doc:

@@ -27,7 +27,7 @@ import os
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -62,8 +62,11 @@ def save_routed_experts(path: str | os.PathLike[str], dp_rank: int, outputs: Ite
     return n
 
 
-def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iterator[RouterCall]:
-    """One :class:`RouterCall` per (request, MoE layer) of the given ``.npz`` captures."""
+def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel,
+               on_bytes: Callable[[int], None] | None = None) -> Iterator[RouterCall]:
+    """One :class:`RouterCall` per (request, MoE layer) of the given ``.npz`` captures.
+
+    ``on_bytes`` is called with each file's size once it is read (progress; it only observes)."""
     checker = IdChecker(model)
     k = model.top_k
     for p in sorted({str(x) for x in paths}):
@@ -75,6 +78,8 @@ def read_calls(paths: Sequence[str | os.PathLike[str]], model: MoEModel) -> Iter
             npz = np.load(io.BytesIO(raw), allow_pickle=False)
         except Exception as exc:  # noqa: BLE001
             raise InvalidInputError(f"{path}: not a readable .npz (truncated or corrupt): {exc}") from None
+        if on_bytes is not None:
+            on_bytes(len(raw))
         if not isinstance(npz, np.lib.npyio.NpzFile):
             raise InvalidInputError(f"{path}: expected an .npz of routed experts per request")
         with npz:

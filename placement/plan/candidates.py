@@ -226,6 +226,7 @@ def enumerate_candidates(job: Job, free_gpus: int, usable_bytes: float, space: C
     cps = space.cp or tuple(d for d in _divisors(seq) if d <= 64)
     pps = space.pp or tuple(range(1, m.num_layers + 1))
     vpps = space.vpp or (1, 2, 4)
+    overlap = job.performance.overlap == "1f1b"
     eps = space.ep or tuple(_divisors(E))
     mbs = space.micro_batch or job.micro_batches
     infeasible: dict[str, int] = {}
@@ -274,6 +275,10 @@ def enumerate_candidates(job: Job, free_gpus: int, usable_bytes: float, space: C
                                     no("no stage split with layer slots divisible by vpp", key)
                                 elif vpp > 1 and pp == 1:
                                     no("vpp > 1 needs pp > 1", key)
+                                elif overlap and pp > 1 and vpp == 1:
+                                    no("overlap 1f1b needs vpp > 1 when pp > 1 (Megatron-Core)", key)
+                                elif overlap and ep == 1:
+                                    no("overlap 1f1b needs ep > 1", key)
                                 elif min_tokens is not None and dp > min_tokens:
                                     no("fewer routing tokens than data-parallel sources", key)
                                 else:

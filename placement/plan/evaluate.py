@@ -11,7 +11,9 @@ Methods, per candidate:
   every EP group inside one rack, ranks only on racks' whole EP-group slices, the rest idle
   (:func:`segment_rank2gpu`), scored with contiguous experts (cheap);
 - ``cpsat``: :func:`placement.api.solve` with the ``step_time`` objective (rank layout and expert
-  maps, ``num_workers=1``);
+  maps, ``num_workers=1``), its work sized by the task's ``time_limit_s`` and its wall clock held by
+  the task's ``wall_limit_s``, a safety net that a normal run never reaches (when it does, the
+  variant's details carry ``wall_clock_cut: true``);
 - ``segment+cpsat``: the segment layout with the expert maps ``cpsat`` finds for it (``solve``
   with ``layout="fixed"`` on the cluster restricted to the segment's GPUs).
 
@@ -62,6 +64,9 @@ class Task:
     fit_topk: np.ndarray = field(repr=False, compare=False)  # (L, S, T, k) base routing, window 0
     heldout_topk: np.ndarray = field(repr=False, compare=False)  # (L, S, T', k), window 1
     provenance: dict = field(default_factory=dict, compare=False)
+    # The solve's wall-clock safety net (seconds from its start; None: ``time_limit_s``).  The work
+    # is sized by ``time_limit_s`` alone, so this changes nothing unless it fires.
+    wall_limit_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -165,9 +170,10 @@ def run_task(task: Task) -> TaskResult:
         default = _identity(inst, default_rank2gpu(inst))
         return TaskResult(key, "default", (Variant("default", summary(report(inst, default), world, tokens), default),))
     if task.method == "cpsat":
-        res = solve(inst, time_limit_s=task.time_limit_s, seed=task.seed, num_workers=1, objective="step_time")
+        res = solve(inst, time_limit_s=task.time_limit_s, wall_limit_s=task.wall_limit_s, seed=task.seed, num_workers=1,
+                    objective="step_time")
         return TaskResult(key, "cpsat", (Variant("cpsat", summary(res.metrics, world, tokens), res.placement, res,
-                                                 {"status": res.status, "interrupted": bool(res.details.get("interrupted", False))}),))
+                                                 _solve_details(res)),))
     seg = segment_rank2gpu(inst)
     if seg is None:
         return TaskResult(key, task.method, (), "the EP groups do not fit whole in the racks' free GPUs")
@@ -177,8 +183,18 @@ def run_task(task: Task) -> TaskResult:
     available = np.zeros(inst.cluster.num_gpus, dtype=bool)
     available[seg] = True
     fixed = dataclasses.replace(inst, cluster=dataclasses.replace(inst.cluster, available=available))
-    res = solve(fixed, time_limit_s=task.time_limit_s, seed=task.seed, num_workers=1, objective="step_time", layout="fixed")
+    res = solve(fixed, time_limit_s=task.time_limit_s, wall_limit_s=task.wall_limit_s, seed=task.seed, num_workers=1,
+                objective="step_time", layout="fixed")
     assert np.array_equal(res.placement.rank2gpu, seg)
     res = dataclasses.replace(res, metrics=report(inst, res.placement))
     return TaskResult(key, "segment+cpsat", (Variant("segment+cpsat", summary(res.metrics, world, tokens), res.placement, res,
-                                                     {"status": res.status, "interrupted": bool(res.details.get("interrupted", False))}),))
+                                                     _solve_details(res)),))
+
+
+def _solve_details(res: Any) -> dict:
+    """A solved variant's details: status, interrupted, and ``wall_clock_cut: true`` only when the
+    solve's safety net ended some work (the plan may then depend on the machine's load)."""
+    out = {"status": res.status, "interrupted": bool(res.details.get("interrupted", False))}
+    if res.wall_clock_cut:
+        out["wall_clock_cut"] = True
+    return out

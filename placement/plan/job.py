@@ -43,6 +43,7 @@ __all__ = [
     "CLUSTER_SPEC",
     "read_job",
     "read_cluster",
+    "cluster_spec_from_document",
     "cluster_from_instance",
     "job_from_instance",
 ]
@@ -277,7 +278,9 @@ def read_job(path: str | os.PathLike[str]) -> Job:
     m = doc["model"]
     perf = copy.deepcopy(doc["performance"])
     perf.pop("vpp", None)
-    fake = {"model": m, "parallel": _trivial_parallel(m["num_layers"]), "performance": perf,
+    # The overlap's pp/vpp/ep rules are per candidate (placement.plan.candidates); the trivial
+    # layout below would refuse it, so the fake is checked without it.
+    fake = {"model": m, "parallel": _trivial_parallel(m["num_layers"]), "performance": dict(perf, overlap="none"),
             "cluster": {"num_domains": 1, "trays_per_domain": 1, "gpus_per_tray": 1, "nvlink_gbps": 900.0, "scaleout_gbps": 100.0}}
     _check_instance_semantics(fake, where)
     performance = _performance({"performance": perf})
@@ -319,6 +322,11 @@ def read_cluster(path: str | os.PathLike[str]) -> ClusterSpec:
     """
     where = Path(path)
     doc, _ = _load_json(where, "cluster")
+    return cluster_spec_from_document(doc, where)
+
+
+def cluster_spec_from_document(doc: Any, where: Path) -> ClusterSpec:
+    """Check a cluster file's document (``where`` names it in errors) and build its state."""
     validate(doc, CLUSTER_SPEC, str(where))
     c = {k: v for k, v in doc.items() if k in _CLUSTER_FIELDS.fields}
     fake_model = {"num_layers": 1, "moe_layers": [0], "num_experts": 1, "num_groups": 1, "groups_per_token": 1, "top_k": 1}

@@ -24,8 +24,12 @@ Schedule (deterministic; ``docs/plan.md``):
    clock; what the budget does not reach is counted as ``unsolved_budget``.  The planned figures
    fit the time limit even if the items ran one after the other, so any number of workers
    finishes in time; the wall clock is checked before each round as a safety net: a round that
-   would end past the limit is not started (``deadline_hit``, the only way the machine's speed can
-   change a plan).
+   would end past the limit is not started (``deadline_hit``).
+6. Each solve's work is sized by its planned budget alone (:func:`placement.api.solver_budget_s`);
+   its wall clock is held by a safety net :data:`SOLVE_WALL_FACTOR` times longer (within the plan's
+   limit), so that a loaded machine does not cut the rank layout's or the expert maps' work.  The
+   two nets are the only ways the machine's speed can change a plan, and the output says when
+   either fired (``deadline_hit``; ``counts.wall_clock_cut`` and the row's ``wall_clock_cut``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -57,6 +61,12 @@ SCORING_S_PER_ID = 1e-7  # as placement.api.SCORING_S_PER_EXPERT_ID
 GENERATION_S_PER_ID = 4e-6  # routing generation, per expert id of both windows (20 s for dsv3's 5.7 M ids at load 12)
 ENUMERATION_S_PER_CANDIDATE = 2e-4  # enumeration, memory and bounds (12 s for dsv3's 112 k at load 12)
 MAX_LANES = 64
+#: A candidate solve's wall-clock safety net, in multiples of its planned budget (which sizes its
+#: work): the budgets already leave room for a machine twice slower than predicted
+#: (``placement.api.LOAD_HEADROOM``); the net leaves this much more, so that the rank layout's and
+#: the expert maps' wall-clock limits (shares of the net) are not reached on a loaded machine and
+#: the plan does not depend on the load.  A solve the net cuts is flagged ``wall_clock_cut``.
+SOLVE_WALL_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -213,6 +223,7 @@ def plan(
     prune: bool = True,
     routing: tuple[np.ndarray, np.ndarray] | None = None,
     started_at: float | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> PlanResult:
     """Choose the job's parallel layout and placement for the cluster's free GPUs.
 
@@ -230,6 +241,9 @@ def plan(
         allows; the tests check that pruning never changes the recommendation).
     routing : ``(fit, heldout)`` base routing arrays (L, S, T, k) instead of the job's source.
     started_at : ``time.monotonic()`` instant the budget started (default: now).
+    on_progress : called with ``(work items settled, work items)`` as rounds end (an item is settled
+        when scored, solved, pruned or left to the budget; a
+        :data:`placement.progress.ProgressCallback`); it only observes, the plan does not depend on it.
 
     Raises
     ------
@@ -296,6 +310,11 @@ def plan(
     best = -math.inf
     pruned = unsolved = 0
     deadline_hit = False
+    n_items = 2 * len(items1)  # phase 2 has one solve per phase-1 item
+
+    def settled() -> None:
+        if on_progress is not None:
+            on_progress(min(n_items, len(results) + pruned + unsolved), n_items)
 
     def budget_for(n_left: int) -> float | None:
         if remaining - overhead_s < b_min:
@@ -306,13 +325,20 @@ def plan(
     def run_round(round_items: list[tuple[Candidate, str, float]], cost_s: float) -> bool:
         """Run one round; False (and nothing run) when it would end past the wall-clock limit."""
         nonlocal best
-        if time.monotonic() + max(b for _, _, b in round_items) + cost_s > start + time_limit_s:
+        now = time.monotonic()
+        if now + max(b for _, _, b in round_items) + cost_s > start + time_limit_s:
             return False
-        tasks = [Task(job, cl, c, m, b, seed, fit, held, prov) for c, m, b in round_items]  # type: ignore[arg-type]
+        # Each solve's work is sized by its planned budget b; its wall clock only by a safety net
+        # SOLVE_WALL_FACTOR times longer (within the plan's limit), which a normal run never reaches.
+        net_s = start + time_limit_s - now - cost_s
+        tasks = [Task(job, cl, c, m, b, seed, fit, held, prov,  # type: ignore[arg-type]
+                      wall_limit_s=max(b, min(SOLVE_WALL_FACTOR * b, net_s)) if b > 0 else None)
+                 for c, m, b in round_items]
         for (c, m, b), res in zip(round_items, ex.map(_run, tasks)):
             results.append((c, m, b, res))
             for v in res.variants:
                 best = max(best, float(v.figures["predicted_job_tokens_per_s"]))
+        settled()
         return True
 
     scored: dict[tuple[str, str], float] = {}  # (key, phase-1 method) -> predicted job tokens/s
@@ -381,6 +407,7 @@ def plan(
     finally:
         if own:
             ex.close()
+    settled()
     items = items1 + items2
 
     rows: list[PlanRow] = []
@@ -412,6 +439,9 @@ def plan(
         "pruned": pruned,
         "not_applicable": sum(1 for r in results if not r[3].variants),
         "unsolved_budget": unsolved,
+        # solves whose wall-clock safety net ended some work (0 in a normal run; else the plan may
+        # depend on the machine's load)
+        "wall_clock_cut": sum(1 for r in results for v in r[3].variants if v.details.get("wall_clock_cut")),
     }
     top = rows[0]
     inst = build_instance(job, cl, top.candidate, fit, held, prov)

@@ -83,7 +83,11 @@ def plan_table(result: Any, *, top: int = 10) -> str:
             lines.append(f"  vs {name}: {row.key} ({row.variant}) {g['predicted_job_tokens_per_s']:,.0f} tokens/s, "
                          f"recommendation {ratio:.3f}x")
     if result.deadline_hit:
-        lines.append("  the wall-clock deadline ended the plan early: best so far")
+        lines.append("  the wall-clock deadline ended the plan early: best so far (the plan may depend on the machine's load)")
+    cut = result.counts.get("wall_clock_cut", 0)
+    if cut:
+        lines.append(f"  the wall-clock safety net cut {cut} solve{'s' if cut > 1 else ''} short: the plan may depend on "
+                     "the machine's load (rows marked wall_clock_cut in the JSON)")
     return "\n".join(lines)
 
 

@@ -464,6 +464,8 @@ def place_experts(
         options.report(f"layer {o.layer + 1}/{L}: {d['status']}, {d['chosen']}, "
                        f"{d['objective_crossings']} crossings (bound {o.bound}), {o.wall_s:.1f} s  "
                        f"[{len(outcomes)}/{len(todo)}]")
+        if options.on_progress is not None:  # observes only: called here, in the calling process
+            options.on_progress(len(outcomes), len(todo))
 
     tasks = [LayerTask(li, budgets[li], model.num_groups, class_tolerance,
                        None if hint_phy2log is None else hint_phy2log[li],

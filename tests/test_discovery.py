@@ -1,0 +1,471 @@
+"""placement cluster: Slurm, Kubernetes and nvidia-smi texts in their documented formats, real host
+names through the instance into hostfiles and launch scripts, solving for an allocation.
+
+The texts follow the formats of Slurm's scontrol(1) / topology.conf(5) (``topology/block``:
+``BlockName=... BlockIndex=... Nodes=... BlockSize=...``, Slurm 23.11+; the Debian Slurm the live
+tests run, 22.05, lacks that plugin), NVIDIA GPU feature discovery's node labels and the
+``Fabric`` section of ``nvidia-smi -q``.  tests/test_slurm.py runs a real slurmctld.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import placement
+from placement.cli import main
+from placement.discovery import cluster_document, expand_hostlist
+from placement.discovery.kubernetes import parse_kubernetes
+from placement.discovery.nvidia_smi import parse_nvidia_smi
+from placement.discovery.slurm import node_state_usable, parse_slurm
+from placement.formats import read_instance, write_instance
+from placement.hostfile import slurm_hostfile
+from placement.model import InvalidInputError
+from placement.plan.job import cluster_spec_from_document, read_cluster
+from tests.conftest import INSTANCES
+
+# ---------------------------------------------------------------------------------------------
+# Host lists
+
+
+def test_hostlist_expands_like_slurm():
+    assert expand_hostlist("gb[001-003,025]") == ["gb001", "gb002", "gb003", "gb025"]
+    assert expand_hostlist("a,b[8-11]") == ["a", "b8", "b9", "b10", "b11"]
+    assert expand_hostlist("r[1-2]-n[01-02]") == ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]
+    assert expand_hostlist("node-7.cluster") == ["node-7.cluster"]
+
+
+@pytest.mark.parametrize("bad", ["gb[001-0", "gb[a-b]", "gb]1", "g b", "gb[3-1]", "a,,b", "gb[0-99999999]"])
+def test_hostlist_refuses_malformed(bad):
+    with pytest.raises(InvalidInputError):
+        expand_hostlist(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["gb", "n", "rack1-t"]), st.integers(0, 300), st.integers(0, 40)), min_size=1, max_size=4))
+def test_hostlist_ranges_match_a_brute_force(parts):
+    text = ",".join(f"{p}[{a:03d}-{a + n:03d}]" for p, a, n in parts)
+    expected = [f"{p}{v:03d}" for p, a, n in parts for v in range(a, a + n + 1)]
+    assert expand_hostlist(text) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm, from texts in the documented formats
+
+BLOCK_TOPOLOGY = """\
+BlockName=b1 BlockIndex=0 Nodes=gb[001-018] BlockSize=18
+BlockName=b2 BlockIndex=1 Nodes=gb[019-036] BlockSize=18
+BlockName=b3 BlockIndex=2 Nodes=gb[037-053] BlockSize=18
+"""
+
+# scontrol show topology of Slurm 25.x with BlockSizes=18,36: the base blocks, then the aggregated
+# blocks (src/plugins/topology/block/topology_block.c @284c3b9, _print_topo_record)
+BLOCK_TOPOLOGY_AGGREGATED = BLOCK_TOPOLOGY + """\
+BlockName=b4 BlockIndex=3 BlockSize=18
+AggregatedBlock=b1,b2 BlockIndex=4 Nodes=gb[001-036] BlockSize=36
+"""
+
+BLOCK_CONF = """\
+# topology.conf for topology/block: one block per NVL72 rack
+BlockName=b1 Nodes=gb[001-018]
+BlockName=b2 Nodes=gb[019-036]
+BlockName=b3 Nodes=gb[037-053]
+BlockSizes=18,36
+"""
+
+
+def _node(name: str, state: str, gres: str = "gpu:4") -> str:
+    return (
+        f"NodeName={name} Arch=aarch64 CoresPerSocket=72 \n"
+        f"   CPUAlloc=0 CPUEfctv=144 CPUTot=144 CPULoad=0.00\n"
+        f"   AvailableFeatures=gb300\n"
+        f"   Gres={gres}\n"
+        f"   NodeAddr={name} NodeHostName={name} Version=24.05.4\n"
+        f"   OS=Linux 6.8.0-1013-nvidia #14-Ubuntu SMP \n"
+        f"   State={state} ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A\n"
+        f"   Partitions=gpu \n"
+        + (f"   Reason=maintenance [root@2026-12-01T10:00:00]\n" if state != "IDLE" else "")
+        + "\n"
+    )
+
+
+NODE_STATES = {"gb003": "DOWN+NOT_RESPONDING", "gb020": "IDLE+DRAIN", "gb021": "ALLOCATED+DRAIN", "gb040": "MIXED+FAIL",
+               "gb041": "IDLE*"}
+
+
+def _nodes(n: int = 53, states: dict[str, str] | None = None, gres: dict[str, str] | None = None) -> str:
+    states = NODE_STATES if states is None else states
+    gres = gres or {}
+    return "".join(_node(f"gb{i:03d}", states.get(f"gb{i:03d}", "IDLE"), gres.get(f"gb{i:03d}", "gpu:gb300:4(S:0-1)"))
+                   for i in range(1, n + 1))
+
+
+def _doc(texts: list[tuple[str, str]], **kw) -> dict:
+    return cluster_document(parse_slurm(texts, **kw), name="t")
+
+
+@pytest.mark.parametrize("topology", [BLOCK_TOPOLOGY, BLOCK_CONF, BLOCK_TOPOLOGY_AGGREGATED],
+                         ids=["scontrol", "topology.conf", "scontrol-aggregated"])
+def test_slurm_block_topology_and_node_states(topology):
+    doc = _doc([("topo", topology), ("nodes", _nodes())])
+    assert (doc["num_domains"], doc["trays_per_domain"], doc["gpus_per_tray"]) == (3, 18, 4)
+    assert doc["domain_names"] == ["b1", "b2", "b3"]
+    assert doc["hosts"][0][0] == "gb001" and doc["hosts"][2][-1] == "gb053" and len(doc["hosts"][2]) == 17
+    # gb003: domain 0 tray 2; gb020/gb021: domain 1 trays 1, 2; gb040/gb041: domain 2 trays 3, 4
+    assert doc["unavailable_trays"] == [[0, 2], [1, 1], [1, 2], [2, 3], [2, 4]]
+    spec = cluster_spec_from_document(doc, __import__("pathlib").Path("t.json"))
+    cl = spec.cluster
+    assert cl.host_name(2) == "gb003" and cl.host_name(18) == "gb019"
+    assert not cl.available[(2 * 18 + 17) * 4 :].any()  # the 18th slot of b3 has no host
+    assert int(cl.available.sum()) == (53 - 5) * 4
+
+
+def test_slurm_not_responding_policy():
+    doc = _doc([("topo", BLOCK_TOPOLOGY), ("nodes", _nodes())], allow_not_responding=True)
+    # gb003 stays down (DOWN), gb041 ("IDLE*") comes back
+    assert [2, 4] not in doc["unavailable_trays"] and [0, 2] in doc["unavailable_trays"]
+
+
+def test_slurm_tree_topology_leaf_switches_are_domains():
+    tree = ("SwitchName=rack00 Level=0 LinkSpeed=1 Nodes=gb[001-018]\n"
+            "SwitchName=rack01 Level=0 LinkSpeed=1 Nodes=gb[019-036]\n"
+            "SwitchName=spine Level=1 LinkSpeed=1 Nodes=gb[001-036] Switches=rack[00-01]\n")
+    doc = _doc([("topo", tree), ("nodes", _nodes(36))])
+    assert doc["domain_names"] == ["rack00", "rack01"] and doc["trays_per_domain"] == 18
+    assert doc["unavailable_trays"] == [[0, 2], [1, 1], [1, 2]]
+
+
+def test_slurm_fewer_gpus_on_a_node_marks_the_missing_ones():
+    doc = _doc([("topo", BLOCK_TOPOLOGY), ("nodes", _nodes(gres={"gb005": "gpu:2"}, states={}))])
+    assert doc["unavailable_gpus"] == [4 * 4 + 2, 4 * 4 + 3] and doc["unavailable_trays"] == []
+
+
+def test_node_states():
+    assert node_state_usable("IDLE") == (True, "")
+    assert node_state_usable("ALLOCATED+COMPLETING") == (True, "")
+    assert node_state_usable("MIXED+DRAIN")[0] is False
+    assert node_state_usable("DOWN*") == (False, "NOT_RESPONDING+DOWN")
+    assert node_state_usable("IDLE+NOT_RESPONDING", allow_not_responding=True) == (True, "")
+    with pytest.raises(ValueError):
+        node_state_usable("IDLE+SLEEPY")
+
+
+def _write(tmp_path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "topology,nodes,needle",
+    [
+        (BLOCK_TOPOLOGY, _nodes().replace("State=MIXED+FAIL", "State=MIXED+SLEEPY"), "gb040"),  # unknown state
+        (BLOCK_TOPOLOGY, _nodes()[: _nodes().index("State=IDLE", _nodes().index("NodeName=gb053"))], "gb053"),  # truncated
+        (BLOCK_TOPOLOGY.replace("gb[037-053]", "gb[037-052]"), _nodes(), "gb053"),  # a host in no block
+        (BLOCK_TOPOLOGY.replace("gb[037-053] BlockSize=18\n", "gb[037-0"), _nodes(), "topo.txt:3"),  # truncated topology
+        (BLOCK_TOPOLOGY, _nodes(52), "gb053"),  # a block's node missing from scontrol show node
+        (BLOCK_TOPOLOGY + "BlockName=b4 BlockIndex=3 Nodes=gb[050-053] BlockSize=18\n", _nodes(), "gb050"),  # in two blocks
+        ("", _nodes(), "topo.txt"),  # empty topology
+        (BLOCK_TOPOLOGY.replace(" BlockSize=18\n", "\n", 1), _nodes(), "topo.txt:1"),  # cut before BlockSize
+        (BLOCK_TOPOLOGY, _nodes().replace("Gres=gpu:gb300:4(S:0-1)", "Gres=gpu:gb300:x", 1), "gb001"),
+    ],
+    ids=["unknown-state", "truncated-nodes", "host-in-no-block", "truncated-topology", "node-missing", "two-blocks",
+         "empty", "cut-before-blocksize", "bad-gres"],
+)
+def test_bad_slurm_output_exits_2_naming_the_host_or_line(tmp_path, capsys, topology, nodes, needle):
+    out = tmp_path / "c.json"
+    code = main(["cluster", "--from", "slurm", _write(tmp_path, "topo.txt", topology), _write(tmp_path, "nodes.txt", nodes),
+                 "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert needle in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes (GPU feature discovery labels), nvidia-smi -q (Fabric section)
+
+UUID_A = "5fbd5d29-8d2a-4b8f-9f0e-3c1f2a8e7d10"
+UUID_B = "0a1b2c3d-0000-4000-8000-00000000000b"
+
+
+def _k8s_node(name: str, clique: str | None, gpus: int = 4, *, unschedulable: bool = False, taints=(), ready="True",
+              allocatable: int | None = None) -> dict:
+    labels = {"kubernetes.io/hostname": name, "nvidia.com/gpu.count": str(gpus), "nvidia.com/gpu.product": "NVIDIA-GB300"}
+    if clique is not None:
+        labels["nvidia.com/gpu.clique"] = clique
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"unschedulable": unschedulable, "taints": list(taints)} if unschedulable or taints else {},
+        "status": {"capacity": {"cpu": "144", "nvidia.com/gpu": str(gpus)},
+                   "allocatable": {"cpu": "144", "nvidia.com/gpu": str(gpus if allocatable is None else allocatable)},
+                   "conditions": [{"type": "Ready", "status": ready}]},
+    }
+
+
+def _k8s(nodes: list[dict]) -> str:
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes})
+
+
+def test_kubernetes_cliques_and_unusable_nodes():
+    nodes = [_k8s_node(f"node-{i:02d}", f"{UUID_A if i < 18 else UUID_B}.{1 if i < 18 else 7}") for i in range(36)]
+    nodes[3] = _k8s_node("node-03", f"{UUID_A}.1", unschedulable=True)
+    nodes[20] = _k8s_node("node-20", f"{UUID_B}.7", taints=[{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}])
+    nodes[21] = _k8s_node("node-21", f"{UUID_B}.7", taints=[{"key": "nvidia.com/gpu", "effect": "NoSchedule"}])
+    nodes[22] = _k8s_node("node-22", f"{UUID_B}.7", ready="False")
+    nodes[23] = _k8s_node("node-23", f"{UUID_B}.7", allocatable=3)
+    nodes.append({"metadata": {"name": "cpu-0", "labels": {}}, "status": {"capacity": {"cpu": "64"}}})  # skipped
+    doc = cluster_document(parse_kubernetes([("k.json", _k8s(nodes))]), name="k")
+    # cliques sorted by (cluster UUID, clique id): UUID_B's first
+    assert doc["domain_names"] == [f"{UUID_B}.7", f"{UUID_A}.1"]
+    assert doc["hosts"][1][3] == "node-03" and doc["hosts"][0][0] == "node-18"
+    assert doc["unavailable_trays"] == [[0, 2], [0, 4], [0, 5], [1, 3]]  # node-21's taint is tolerated
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        (_k8s([_k8s_node("node-00", None)]), "node-00"),
+        (_k8s([_k8s_node("node-00", "nouuid")]), "node-00"),
+        (_k8s([_k8s_node("node-00", f"{UUID_A}.1")])[:-20], "k.json"),
+    ],
+    ids=["no-clique", "bad-clique", "truncated"],
+)
+def test_bad_kubernetes_exits_2(tmp_path, capsys, text, needle):
+    code = main(["cluster", "--from", "kubernetes", _write(tmp_path, "k.json", text), "-o", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+
+
+def _smi(uuid: str, clique: int, states=("Completed",) * 4) -> str:
+    head = ("==============NVSMI LOG==============\n\nTimestamp                                 : Wed Dec  2 10:00:00 2026\n"
+            "Driver Version                            : 580.65.06\nCUDA Version                              : 13.0\n\n"
+            f"Attached GPUs                             : {len(states)}\n")
+    gpus = "".join(
+        f"GPU 00000008:0{k}:00.0\n    Product Name                          : NVIDIA GB300\n"
+        "    Inforom Version\n        Image Version                     : G548.0201.00.01\n"
+        f"    Fabric\n        State                             : {state}\n"
+        f"        Status                            : {'Success' if state == 'Completed' else 'N/A'}\n"
+        f"        CliqueId                          : {clique}\n"
+        f"        ClusterUUID                       : {uuid}\n"
+        "        Health\n            Bandwidth                     : Full\n"
+        "    Processes                             : None\n\n"
+        for k, state in enumerate(states)
+    )
+    return head + gpus
+
+
+def test_nvidia_smi_fabric_cliques(tmp_path, capsys):
+    files = []
+    for i in range(6):
+        states = ("Completed", "In Progress", "Completed", "Completed") if i == 4 else ("Completed",) * 4
+        files.append(_write(tmp_path, f"gb{i + 1:03d}.txt", _smi(UUID_A, 2 if i < 3 else 1, states)))
+    assert main(["cluster", "--from", "nvidia-smi", *files, "-o", str(tmp_path / "c.json")]) == 0
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert doc["domain_names"] == [f"{UUID_A}.1", f"{UUID_A}.2"]
+    assert doc["hosts"] == [["gb004", "gb005", "gb006"], ["gb001", "gb002", "gb003"]]
+    assert doc["unavailable_gpus"] == [1 * 4 + 1]  # gb005's second GPU: fabric still in progress
+    # the same as one pdsh output with "host: " prefixes
+    pdsh = "".join(f"gb{i + 1:03d}: " + line + "\n" for i in range(6) for line in (tmp_path / f"gb{i + 1:03d}.txt").read_text().splitlines())
+    assert main(["cluster", "--from", "nvidia-smi", _write(tmp_path, "all.txt", pdsh), "-o", str(tmp_path / "d.json")]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "d.json").read_text())["hosts"] == doc["hosts"]
+
+
+def test_nvidia_smi_without_fabric_exits_2_naming_the_host(tmp_path, capsys):
+    text = _smi("N/A", 0).replace("CliqueId                          : 0", "CliqueId                          : N/A")
+    code = main(["cluster", "--from", "nvidia-smi", "h100-7=" + _write(tmp_path, "x.txt", text), "-o", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "h100-7" in err and "x.txt:" in err, err
+
+
+def test_parse_nvidia_smi_host_in_two_cliques():
+    text = _smi(UUID_A, 1).replace("CliqueId                          : 1", "CliqueId                          : 2", 1)
+    with pytest.raises(InvalidInputError, match="gb009"):
+        parse_nvidia_smi([("gb009", "gb009.txt", text)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Real host names flow through the instance; solving for an allocation
+
+
+def _named_tiny(tiny, tmp_path):
+    """tiny.json with real host names (its 5 domains x 2 trays) written and read back."""
+    cl = tiny.cluster
+    names = tuple(f"gb{h + 1:03d}" for h in range(cl.num_domains * cl.trays_per_domain))
+    inst = dataclasses.replace(tiny, cluster=dataclasses.replace(cl, host_names=names, domain_names=tuple(f"blk{d}" for d in range(cl.num_domains))))
+    write_instance(inst, tmp_path / "named.json")
+    return read_instance(tmp_path / "named.json")
+
+
+def test_host_names_round_trip_and_reach_the_hostfile_and_launcher(tiny, tmp_path, capsys):
+    named = _named_tiny(tiny, tmp_path)
+    doc = json.loads((tmp_path / "named.json").read_text())
+    assert doc["cluster"]["hosts"][0] == ["gb001", "gb002"] and doc["cluster"]["domain_names"][4] == "blk4"
+    out = tmp_path / "p.json"
+    assert main(["solve", str(tmp_path / "named.json"), "--solver", "default", "-o", str(out)]) == 0
+    p = placement.load_placement(named, out)
+    lines = slurm_hostfile(named, p.rank2gpu).split()
+    assert lines == [f"gb{int(named.cluster.gpu2host[g]) + 1:03d}" for g in p.rank2gpu]
+    assert main(["export", str(out), "--format", "slurm", "--instance", str(tmp_path / "named.json"),
+                 "-o", str(tmp_path / "job.hosts")]) == 0
+    script = (tmp_path / "job.launch.sh").read_text()
+    assert "gb001" in script and "rack00" not in script
+    assert (tmp_path / "job.hosts").read_text().split() == lines
+    capsys.readouterr()
+
+
+def test_allocation_restricts_the_solve_and_the_hostfile(tiny, tmp_path, capsys):
+    _named_tiny(tiny, tmp_path)
+    # tiny: 5 domains x 2 trays x 2 GPUs, tray [3, 1] (gb008) down; the job needs 16 GPUs = 8 trays
+    out = tmp_path / "p.json"
+    code = main(["solve", str(tmp_path / "named.json"), "--solver", "default", "--allocation", "gb[001-007,009]", "-o", str(out)])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert doc["solve"]["details"]["allocation"] == {"hosts": "gb[001-007,009]", "gpus": 16}
+    assert main(["export", str(out), "--format", "slurm", "--instance", str(tmp_path / "named.json"),
+                 "-o", str(tmp_path / "job.hosts")]) == 0
+    used = set((tmp_path / "job.hosts").read_text().split())
+    assert used == {f"gb{i:03d}" for i in (1, 2, 3, 4, 5, 6, 7, 9)}
+    assert main(["verify", str(tmp_path / "named.json"), str(out)]) == 0
+    capsys.readouterr()
+
+
+def test_allocation_from_slurm_job_nodelist(tiny, tmp_path, capsys, monkeypatch):
+    _named_tiny(tiny, tmp_path)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gb[002-007,009-010]")
+    assert main(["solve", str(tmp_path / "named.json"), "--solver", "default", "--allocation", "slurm",
+                 "-o", str(tmp_path / "p.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["solve"]["details"]["allocation"]["hosts"] == "gb[002-007,009-010]"
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    assert main(["solve", str(tmp_path / "named.json"), "--solver", "default", "--allocation", "slurm"]) == 2
+    assert "SLURM_JOB_NODELIST" in capsys.readouterr().err
+
+
+def test_allocation_unknown_host_exits_2_too_few_gpus_exits_3(tiny, tmp_path, capsys):
+    _named_tiny(tiny, tmp_path)
+    args = ["solve", str(tmp_path / "named.json"), "--solver", "default", "-o", str(tmp_path / "p.json")]
+    assert main(args + ["--allocation", "gb[001-007],gb999"]) == 2
+    assert "'gb999'" in capsys.readouterr().err
+    assert main(args + ["--allocation", "gb[001-008]"]) == 3  # gb008 is down: 14 GPUs for 16 ranks
+    assert "16 GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_allocate_keeps_the_instance_hash_and_uses_only_allocated_gpus(tiny, tmp_path):
+    named = _named_tiny(tiny, tmp_path)
+    sub = placement.allocate(named, ["gb001", "gb002", "gb010"])
+    assert sub.sha256 == named.sha256
+    hosts = {named.cluster.host_name(int(h)) for h in np.unique(named.cluster.gpu2host[sub.cluster.available])}
+    assert hosts == {"gb001", "gb002", "gb010"}
+
+
+def test_rack_map_names_the_domains_and_hosts(tiny, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    _named_tiny(tiny, tmp_path)
+    out = tmp_path / "map.svg"
+    assert main(["show", "default", "--instance", str(tmp_path / "named.json"), "-o", str(out)]) == 0
+    svg = out.read_text()
+    assert "blk0" in svg and "gb001..gb002" in svg and "gb009..gb010" in svg
+    capsys.readouterr()
+
+
+def test_bad_hosts_in_a_cluster_file(tmp_path, capsys):
+    doc = json.loads((INSTANCES / "dsv3_1024_cluster.json").read_text())
+    doc["hosts"] = [[f"gb{d * 18 + t:03d}" for t in range(18)] for d in range(15)]
+    doc["hosts"][3][4] = "gb001"
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    with pytest.raises(InvalidInputError, match=r"hosts\[3\]\[4\].*gb001"):
+        read_cluster(tmp_path / "c.json")
+    doc["hosts"][3][4] = "gb 1"
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    with pytest.raises(InvalidInputError, match=r"hosts\[3\]\[4\]"):
+        read_cluster(tmp_path / "c.json")
+
+
+def test_plan_for_an_allocation_writes_only_allocated_hosts(tmp_path, capsys):
+    from tests.test_plan import _cluster_doc, _job_doc, _write
+
+    # tiny's cluster (5 domains x 2 trays x 2 GPUs, tray [3, 1] down) with real names; allocate 16 GPUs
+    cdoc = _cluster_doc(hosts=[[f"n{d}a", f"n{d}b"] for d in range(5)], domain_names=[f"blk{d}" for d in range(5)])
+    job, cluster = _write(tmp_path, "job.json", _job_doc()), _write(tmp_path, "cluster.json", cdoc)
+    out = tmp_path / "p.json"
+    alloc = "n[0-2]a,n[0-2]b,n3a,n4a"
+    rc = main(["plan", str(job), "--cluster", str(cluster), "--candidates", "tp=1 pp=1,2 vpp=1 ep=4,8 dp=4,8 mb=1",
+               "--time-limit", "60", "--workers", "1", "--allocation", alloc, "-o", str(out),
+               "--export", f"slurm={tmp_path / 'job.hosts'}"])
+    assert rc == 0, capsys.readouterr().err
+    used = set((tmp_path / "job.hosts").read_text().split())
+    assert used <= set(expand_hostlist(alloc)) and used
+    inst = json.loads((tmp_path / "p.instance.json").read_text())
+    assert inst["cluster"]["hosts"] == cdoc["hosts"] and inst["cluster"]["domain_names"] == cdoc["domain_names"]
+    assert main(["plan", str(job), "--cluster", str(cluster), "--allocation", "n9a", "--time-limit", "5"]) == 2
+    assert "'n9a'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Fuzz: any damage to a valid text is read or refused with InvalidInputError, nothing else
+
+_SLURM_TEXTS = (BLOCK_TOPOLOGY, _nodes(20, gres={}))
+
+
+@settings(max_examples=150, deadline=None)
+@given(which=st.integers(0, 1), cut=st.floats(0, 1), at=st.floats(0, 1),
+       junk=st.text(alphabet="=[]-,+*: \n\tgb0193ABCDEFGHIJKLMNOPQRSTUVWXYZ()", max_size=8))
+def test_fuzz_slurm_texts(which, cut, at, junk):
+    texts = [BLOCK_TOPOLOGY.replace("gb[037-053]", "gb[037-040]").replace("gb[019-036]", "gb[019-020]").replace(
+        "gb[001-018]", "gb[001-018]"), _nodes(40, states={"gb003": "DOWN"})]
+    t = texts[which]
+    t = t[: int(len(t) * (0.5 + cut / 2))]
+    i = int(len(t) * at)
+    texts[which] = t[:i] + junk + t[i:]
+    try:
+        cluster_document(parse_slurm([("topo", texts[0]), ("nodes", texts[1])]), name="f")
+    except InvalidInputError:
+        pass
+
+
+_K8S_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 9) | st.text(max_size=6) | st.just(f"{UUID_A}.1"),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(["key", "effect", "type", "status", "name"]), kids, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(path=st.sampled_from([("metadata",), ("metadata", "labels"), ("metadata", "name"), ("spec",), ("spec", "taints"),
+                             ("status",), ("status", "conditions"), ("status", "capacity"), ("status", "allocatable"),
+                             ("metadata", "labels", "nvidia.com/gpu.clique"), ("metadata", "labels", "nvidia.com/gpu.count")]),
+       value=_K8S_VALUES)
+def test_fuzz_kubernetes_nodes(path, value):
+    nodes = [_k8s_node(f"node-{i}", f"{UUID_A}.1") for i in range(3)]
+    node = nodes[1]
+    node.setdefault("spec", {})
+    cur = node
+    for key in path[:-1]:
+        cur = cur[key]
+    cur[path[-1]] = value
+    try:
+        cluster_document(parse_kubernetes([("k.json", _k8s(nodes))]), name="f")
+    except InvalidInputError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(cut=st.floats(0, 1), at=st.floats(0, 1), junk=st.text(alphabet=" :\nGPU0Fabric.StateCompleted-N/A1", max_size=10))
+def test_fuzz_nvidia_smi(cut, at, junk):
+    t = _smi(UUID_A, 1)
+    t = t[: int(len(t) * (0.3 + 0.7 * cut))]
+    i = int(len(t) * at)
+    try:
+        cluster_document(parse_nvidia_smi([("gb001", "gb001.txt", t[:i] + junk + t[i:])]), name="f")
+    except InvalidInputError:
+        pass
