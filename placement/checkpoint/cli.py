@@ -10,6 +10,7 @@ from placement.checkpoint.dcp import DcpStats, permute_dcp
 from placement.checkpoint.megatron_legacy import permute_megatron_legacy
 from placement.checkpoint.orbax import permute_orbax
 from placement.model import InfeasibleError, InvalidInputError, PlacementError
+from placement.progress import progress
 
 __all__ = ["main"]
 
@@ -41,20 +42,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cache-mb", type=int, default=64, help="DCP formats: MB of source chunks a worker keeps (its memory ceiling)"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (drawn on a terminal only)")
     args = parser.parse_args(argv)
     try:
         if args.format in ("megatron-torch-dist", "torchtitan-dcp"):
             if args.workers < 1 or args.cache_mb < 0:
                 raise InvalidInputError(f"--workers {args.workers} / --cache-mb {args.cache_mb}: expected >= 1 / >= 0")
             stats = DcpStats()
-            changed = permute_dcp(
-                args.src, args.dst, args.permutation,
-                stack="megatron" if args.format == "megatron-torch-dist" else "torchtitan",
-                keep_router=args.keep_router, bucket_layout=args.bucket_layout, num_layers=args.num_layers,
-                workers=args.workers, cache_bytes=args.cache_mb << 20, stats=stats,
-                progress=None if args.quiet else _progress,
-            )
+            with progress(None, "checkpoint: storage files", "B", quiet=args.quiet, unit_scale=True) as bar:
+                changed = permute_dcp(
+                    args.src, args.dst, args.permutation,
+                    stack="megatron" if args.format == "megatron-torch-dist" else "torchtitan",
+                    keep_router=args.keep_router, bucket_layout=args.bucket_layout, num_layers=args.num_layers,
+                    workers=args.workers, cache_bytes=args.cache_mb << 20, stats=stats, progress=bar.report,
+                )
             if stats.files_skipped:
                 print(f"resumed: {stats.files_skipped} of {stats.files_total} storage files were already done", file=sys.stderr)
         elif args.format == "megatron-legacy":
@@ -80,9 +81,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"permuted {len(changed)} entries; wrote {args.dst}")
     return 0
-
-
-def _progress(stats: DcpStats, total_bytes: int) -> None:
-    done = stats.files_done + stats.files_skipped
-    print(f"\r{done}/{stats.files_total} files, {stats.bytes_read / 1e9:.2f} of {total_bytes / 1e9:.2f} GB read",
-          end="\n" if done == stats.files_total else "", file=sys.stderr, flush=True)

@@ -611,7 +611,7 @@ def permute_dcp(
     executor: Any = None,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     distributed: bool = False,
-    progress: Callable[[DcpStats, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     stats: DcpStats | None = None,
 ) -> list[str]:
     """Permute a ``torch.distributed.checkpoint`` directory ``src`` into a new directory ``dst``, streamed.
@@ -650,8 +650,9 @@ def permute_dcp(
     distributed : bool
         Split the files over the ranks of the initialised ``torch.distributed`` job; rank 0 writes
         ``.metadata`` and renames after a barrier.
-    progress : callable(stats, bytes_total), optional
-        Called after every finished file.
+    progress : callable(done, total), optional
+        :data:`placement.progress.ProgressCallback`: bytes of the source's storage files finished
+        (this call's and the journal's) and in all, after every file.
     stats : DcpStats, optional
         Filled with what the call did.
 
@@ -716,6 +717,16 @@ def permute_dcp(
     mine = [rel for i, rel in enumerate(_balanced(files, sizes)) if i % world == rank]
     todo = [rel for rel in mine if not (tmp / JOURNAL / (rel + ".json")).is_file()]
     stats.files_skipped = len(mine) - len(todo)
+    done = [sum(sizes[rel] for rel in mine if rel not in todo)]
+    if progress is not None:
+        progress(done[0], total)
+
+    def account(result: Mapping[str, Any]) -> None:
+        _account(stats, result)
+        done[0] += sizes[str(result["file"])]
+        if progress is not None:
+            progress(done[0], total)
+
     own_executor = None
     if executor is None and workers > 1 and len(todo) > 1:
         from placement.executor import make_executor
@@ -724,10 +735,10 @@ def permute_dcp(
     try:
         if executor is None:
             for rel in todo:
-                _account(stats, _permute_file(spec, rel), progress, total)
+                account(_permute_file(spec, rel))
         else:
             for result in executor.map(_run_task, [(spec, rel) for rel in todo]):
-                _account(stats, result, progress, total)
+                account(result)
     finally:
         if own_executor is not None:
             own_executor.close()
@@ -743,15 +754,13 @@ def permute_dcp(
     return stats.changed
 
 
-def _account(stats: DcpStats, result: Mapping[str, Any], progress: Callable | None, total: int) -> None:
+def _account(stats: DcpStats, result: Mapping[str, Any]) -> None:
     if not result.get("skipped"):
         stats.files_done += 1
         stats.bytes_read += int(result["bytes_read"])
         stats.bytes_written += int(result["bytes_written"])
     else:
         stats.files_skipped += 1
-    if progress is not None:
-        progress(stats, total)
 
 
 def _balanced(files: Sequence[str], sizes: Mapping[str, int]) -> list[str]:

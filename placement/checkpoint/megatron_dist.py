@@ -66,7 +66,7 @@ def megatron_bucket_layout(model_chunks: Any, optimizer: Any) -> list[dict[str, 
         (global expert id or None), ``tp`` (tensor-parallel rank of the parameter), ``router``
         (the router weight or bias, rows by expert).
     """
-    from megatron.core import parallel_state as ps  # type: ignore[import-untyped]
+    from megatron.core import parallel_state as ps
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     names: dict[int, str] = {}
