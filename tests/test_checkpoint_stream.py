@@ -244,3 +244,22 @@ def test_peak_memory_does_not_grow_with_the_checkpoint(tmp_path):
         peaks.append(int(proc.stdout.split()[-1]))
     assert sizes[1] > 150e6 and sizes[0] < 10e6
     assert peaks[1] - peaks[0] < 0.15 * (sizes[1] - sizes[0]), (peaks, sizes)
+
+
+def test_in_memory_mtp_keys_of_both_megatron_releases_are_layer_num_layers():
+    """0.16.1 names the MTP inner layer ``transformer_layer``, core_v0.19 / main ``mtp_model_layer``:
+    both are permuted as layer ``num_layers + j`` (2 decoder layers here), router and experts."""
+    E, H = 4, 3
+    perm = [2, 3, 0, 1]
+    for inner in ("transformer_layer", "mtp_model_layer"):
+        sd = {"decoder.layers.1.self_attention.linear_proj.weight": torch.zeros(H, H),
+              f"mtp.layers.0.{inner}.mlp.router.weight": torch.arange(E * H, dtype=torch.float32).reshape(E, H)}
+        for e in range(E):
+            sd[f"mtp.layers.0.{inner}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.full((2, H), float(e))
+        doc = {"kind": PERMUTATION_KIND, "version": PERMUTATION_VERSION, "stack": "megatron", "num_experts": E,
+               "layers": {"2": perm}}
+        out = ck.apply_exported_permutation(sd, doc, only_present=True)
+        assert torch.equal(out[f"mtp.layers.0.{inner}.mlp.router.weight"], sd[f"mtp.layers.0.{inner}.mlp.router.weight"][perm])
+        for p, old in enumerate(perm):
+            assert torch.equal(out[f"mtp.layers.0.{inner}.mlp.experts.local_experts.{p}.linear_fc1.weight"],
+                               torch.full((2, H), float(old)))

@@ -283,11 +283,16 @@ def apply_exported_permutation(
     groups = _doc_groups(meta)
     if only_present:
         router = PARAMETER_NAMES[chosen]["router_weight"]
-        layers = {
-            layer: perm
-            for layer, perm in layers.items()
-            if layer >= layer_offset and router.format(layer=layer - layer_offset) in state_dict
-        }
+        decoder = infer_num_layers(chosen, "state_dict", state_dict.keys(), layer_offset)
+        mtp_routers = {k for k in state_dict if k.startswith(("mtp.layers.", "mtp_layers.")) and ".router." in k}
+
+        def present(layer: int) -> bool:
+            if router.format(layer=layer - layer_offset) in state_dict:
+                return True
+            j = None if decoder is None else layer - decoder  # an MTP layer: num_layers + j
+            return j is not None and j >= 0 and any(k.startswith((f"mtp.layers.{j}.", f"mtp_layers.{j}.")) for k in mtp_routers)
+
+        layers = {layer: perm for layer, perm in layers.items() if layer >= layer_offset and present(layer)}
         if not layers:
             raise InvalidInputError(
                 f"the state dict holds none of the document's MoE layers (stack={chosen}, layer_offset={layer_offset})"
