@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"{r['gb']:6.2f} GB ({r['moe_layers']} MoE layers + MTP, {r['experts']} experts, hidden {r['hidden']}, "
               f"{r['files']} files): permuted in {r['permute_s']:.1f} s with {args.workers} workers, "
-              f"peak RSS {r['peak_rss_gb']:.3f} GB (all processes), {r['gbps_per_worker']:.3f} GB/s per worker; "
+              f"peak RSS {r['peak_rss_gb']:.3f} GB (all processes; {r['baseline_rss_gb']:.3f} GB before), "
+              f"{r['gbps_per_worker']:.3f} GB/s per worker; "
               f"9.4 TB on {args.hosts} hosts x {args.workers_per_host} workers: {r['projected_9_4tb_s'] / 60:.1f} min", flush=True)
     if len(results) > 1:
         growth = results[-1]["peak_rss_gb"] / results[0]["peak_rss_gb"] - 1

@@ -122,8 +122,6 @@ class _Plan:
                 self._plan_tensor(fqn, tuple(int(x) for x in item.size))
             elif isinstance(item, BytesStorageMetadata):
                 self._plan_object(fqn)
-        if self.layout is not None:
-            self.layout.check_sources()
         self.chunks = _ChunkIndex(md)
 
     # tensors ----------------------------------------------------------------------------------
@@ -349,8 +347,6 @@ class _BucketLayout:
             self.where[(row[7], row[8], row[9], row[10])] = row
         for rows_ in self.by_bucket.values():
             rows_.sort(key=lambda r: r[5])
-        self._prefix: dict[int, str] = {}
-        self._needs: list[tuple[str, tuple[Any, ...]]] = []
 
     def plan(
         self, fqn: str, perms: Mapping[int, Sequence[int]], *, keep_router: bool
@@ -366,10 +362,14 @@ class _BucketLayout:
         moved = [r for r in rows if r[8] in perms and (r[9] is not None or (r[11] and not keep_router))]
         if not moved:
             return None
-        for r in moved:
+        for r in moved:  # every source expert of this bucket's experts is in the layout
             if r[9] is not None:
-                for p in range(len(perms[r[8]])):
-                    self._needs.append((fqn, (r[7], r[8], p, r[10])))
+                for p in perms[r[8]]:
+                    if (r[7], r[8], p, r[10]) not in self.where:
+                        raise InvalidInputError(
+                            f"{fqn}: the bucket layout has no parameter {r[7]} of layer {r[8]} expert {p}: "
+                            "record it on every rank"
+                        )
         starts = [r[5] for r in rows]
         where = self.where
 
@@ -416,12 +416,6 @@ class _BucketLayout:
 
         return pieces
 
-    def check_sources(self) -> None:
-        for fqn, key in self._needs:
-            if key not in self.where:
-                raise InvalidInputError(
-                    f"{fqn}: the bucket layout has no parameter {key[0]} of layer {key[1]} expert {key[2]}: record it on every rank"
-                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -728,6 +722,9 @@ def permute_dcp(
             progress(done[0], total)
 
     own_executor = None
+    if executor is not None or (workers > 1 and len(todo) > 1):
+        _PLANS.clear()  # the workers build their own; this process re-reads the metadata at the end
+        del plan
     if executor is None and workers > 1 and len(todo) > 1:
         from placement.executor import make_executor
 
@@ -745,11 +742,11 @@ def permute_dcp(
     if distributed:
         dist.barrier()
         if rank == 0:
-            _finalize(src, dst, tmp, plan, files)
+            _finalize(src, dst, tmp, files)
             stats.finalized = True
         dist.barrier()
     else:
-        _finalize(src, dst, tmp, plan, files)
+        _finalize(src, dst, tmp, files)
         stats.finalized = True
     return stats.changed
 
@@ -779,7 +776,7 @@ def _open_partial(tmp: Path, manifest: str) -> None:
     _atomic_text(mark, manifest)
 
 
-def _finalize(src: Path, dst: Path, tmp: Path, plan: _Plan, files: Sequence[str]) -> None:
+def _finalize(src: Path, dst: Path, tmp: Path, files: Sequence[str]) -> None:
     """All files journaled: write ``.metadata`` with the new storage records and rename into place."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -792,16 +789,12 @@ def _finalize(src: Path, dst: Path, tmp: Path, plan: _Plan, files: Sequence[str]
         for fqn, offset, start, length, descriptors in json.loads(journal.read_text())["items"]:
             index = MetadataIndex(fqn, offset)
             storage[index] = _StorageInfo(rel, start, length, descriptors)
-    md = plan.md
-    old = md.storage_data
-    md.storage_data = {idx: storage[idx] for idx in old}
-    try:
-        with open(tmp / ".metadata.tmp", "wb") as f:
-            pickle.dump(md, f)
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        md.storage_data = old
+    md = _read_metadata(src)
+    md.storage_data = {idx: storage[idx] for idx in md.storage_data}
+    with open(tmp / ".metadata.tmp", "wb") as f:
+        pickle.dump(md, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp / ".metadata.tmp", tmp / ".metadata")
     for child in src.iterdir():  # metadata.json, common.pt, ...: not part of the DCP data
         if child.name != ".metadata" and child.name not in files and not (tmp / child.name).exists():
