@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
