@@ -152,7 +152,7 @@ def test_the_keep_router_export_file_is_what_the_checkpoint_tool_and_the_hooks_a
     """End to end with the exact file ``placement export --format torchtitan --keep-router`` writes for a
     group-breaking placement: the checkpoint permuted with it (``keep_router``) and the hooks
     installed from it give the logical model's loss, next optimizer step included; without the hooks
-    the model differs, and the plain export of the same placement is refused."""
+    the model differs, and the checkpoint-mode export (``--apply checkpoint``) of the same placement is refused."""
     from tests.stacks.tiny import keep_router_export
 
     maps = [NON_GROUP_PRESERVING, NON_GROUP_PRESERVING[::-1]]
@@ -175,6 +175,6 @@ def test_the_keep_router_export_file_is_what_the_checkpoint_tool_and_the_hooks_a
     assert abs(loss_of(loaded, x2, y2).item() - loss_of(model, x2, y2).item()) > 1e-6
     from placement.cli import main as cli_main
 
-    code = cli_main(["export", "--format", "torchtitan", "--instance", str(tmp_path / "export" / "instance.json"),
+    code = cli_main(["export", "--format", "torchtitan", "--apply", "checkpoint", "--instance", str(tmp_path / "export" / "instance.json"),
                      "-o", str(tmp_path / "plain.json"), str(tmp_path / "export" / "placement.json")])
     assert code == 3 and not (tmp_path / "plain.json").exists()
