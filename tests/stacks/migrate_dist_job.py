@@ -1,7 +1,9 @@
 """Live expert migration under Megatron-Core 0.16.1's ``DistributedOptimizer``: 4 gloo processes,
 EP = 2, expert data parallel = 2 (each expert's FP32 main-parameter shard and Adam moments are
 split over two ranks), run by tests/stacks/test_migrate_stacks.py as ``python -m
-tests.stacks.migrate_dist_job RANK WORLD PORT OUT.json``.
+tests.stacks.migrate_dist_job RANK WORLD PORT OUT.json DTYPES`` (``fp32,bf16``: the model
+parameters' types, one after the other; with ``bf16`` (Megatron's ``Float16Module``) the optimizer
+keeps FP32 main shards apart from them, with ``fp32`` the main shards are views of the weights).
 
 Each rank builds the same ``GPTModel`` (``SequentialMLP`` experts, the ``allgather`` dispatcher),
 wraps it in Megatron's ``DistributedDataParallel`` (small buckets with ``overlap_grad_reduce``, so
@@ -10,7 +12,7 @@ bucket shard boundaries cut through expert parameters) and ``get_megatron_optimi
 trains twice from the same state: ``base`` never migrates, ``moved`` migrates to
 :data:`tests.stacks.migrate_jobs.NEW_MAPS_BY_POSITION` after step MIGRATE_AT.  Rank r writes the
 losses, every expert's weights, FP32 main parameters and Adam moments by *logical* expert
-(shards gathered over the expert-DP ranks) and the dense weights to ``OUT.json.rank{r}``.
+(shards gathered over the expert-DP ranks) and the dense weights, per type, to ``OUT.json.rank{r}``.
 ``MIGRATE_SKIP_OPTIMIZER=1`` moves the weights only (a deliberately broken migration).
 """
 
@@ -45,20 +47,37 @@ def _maybe_skip_optimizer() -> None:
         mg._shard_fields = no_state  # type: ignore[assignment]
 
 
-def _build(seed: int, rank: int, world: int) -> tuple[Any, Any, Any]:
+def _gpt(seed: int, bf16: bool) -> Any:
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from tests.stacks.tiny import DIM, FFN, cpu_patches
+
+    torch.manual_seed(seed)
+    with cpu_patches():
+        config = TransformerConfig(
+            num_layers=len(LAYERS), hidden_size=DIM, num_attention_heads=2, ffn_hidden_size=32,
+            num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=FFN,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_load_balancing_type="none", gated_linear_unit=True, expert_model_parallel_size=EP,
+            moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, use_cpu_initialization=True,
+            params_dtype=torch.float32, bf16=bf16, fp16=False, add_bias_linear=False,
+            hidden_dropout=0.0, attention_dropout=0.0,
+        )
+        spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16,
+                        position_embedding_type="learned_absolute")
+
+
+def _build(seed: int, rank: int, world: int, bf16: bool) -> tuple[Any, Any, Any]:
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core import parallel_state as ps
 
-    from tests.stacks.tiny import DIM, FFN, _megatron_gpt_model
-
-    model = _megatron_gpt_model(
-        seed, num_layers=len(LAYERS), hidden=DIM, heads=2, ffn=32, vocab=64, max_seq=16, num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=2, moe_ffn_hidden_size=FFN, moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none", gated_linear_unit=True,
-        expert_model_parallel_size=EP,
-    )
+    model = _gpt(seed, bf16)
     per_rank = NUM_EXPERTS // EP
     ep_rank = ps.get_expert_model_parallel_rank()
     with torch.no_grad():  # distinct experts per global slot, the same non-expert weights on every rank
@@ -67,10 +86,16 @@ def _build(seed: int, rank: int, world: int) -> tuple[Any, Any, Any]:
                 gen = torch.Generator().manual_seed(seed * 1000 + layer.layer_number * 100 + ep_rank * per_rank + i)
                 for p in expert.parameters():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    if bf16:  # as Megatron's training loop: BF16 parameters, inputs cast on the way in
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped: Any = Float16Module(model.config, model)
+    else:
+        wrapped = model
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_NUMEL), model)
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_NUMEL), wrapped)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, clip_grad=0.0, bf16=False), [ddp])
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, clip_grad=0.0, bf16=bf16), [ddp])
     return model, ddp, opt
 
 
@@ -132,7 +157,7 @@ def _state(model: Any, opt: Any, live: Any) -> dict[str, list[float]]:
     return out
 
 
-def run(rank: int, world: int, port: int, out_path: str) -> None:
+def run(rank: int, world: int, port: int, out_path: str, dtypes: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -153,44 +178,47 @@ def run(rank: int, world: int, port: int, out_path: str) -> None:
 
     identity = {k: list(range(NUM_EXPERTS)) for k in LAYERS}
     new_maps = {k: list(m) for k, m in zip(LAYERS, NEW_MAPS_BY_POSITION)}
-    result: dict[str, Any] = {"layers": list(LAYERS), "new_maps": new_maps,
-                              "expert_dp": ps.get_expert_data_parallel_world_size()}
-    t0 = time.perf_counter()
-    for name in ("base", "moved", "interrupted"):
-        model, ddp, opt = _build(7, rank, world)
-        live = rt.install_megatron(model, identity)
-        losses = []
-        for step in range(STEPS):
-            losses.append(_step(ddp, opt, step, rank, world))
-            if step == MIGRATE_AT and name == "moved":
-                result["report"] = mg.migrate(model, opt, new_maps, live_map=live).to_dict()
-            if step == MIGRATE_AT and name == "interrupted":  # rank world-1 fails after the transfer
-                before = _state(model, opt, live)
-                real_check = mg._check_received
-                if rank == world - 1:
-                    def broken(buffers: Any) -> None:
-                        raise mg.MigrationError("injected: the last rank's received buffers fail their check")
-                    mg._check_received = broken  # type: ignore[assignment]
-                try:
-                    mg.migrate(model, opt, new_maps, live_map=live)
-                except mg.MigrationError as e:
-                    result["interrupted_error"] = str(e)
-                finally:
-                    mg._check_received = real_check  # type: ignore[assignment]
-                result["interrupted_unchanged"] = _state(model, opt, live) == before and all(
-                    live.phy2log(k).tolist() == identity[k] for k in LAYERS)
-        result[f"{name}_losses"], result[f"{name}_state"] = losses, _state(model, opt, live)
-        if name == "base":  # where the shard boundaries fall: (bucket, DP rank) -> param range, per expert param
-            dopt = [o for o in opt.chained_optimizers if hasattr(o, "model_param_group_index_map")][-1]
-            layouts = []
-            for layer in model.decoder.layers:
-                for expert in layer.mlp.experts.local_experts:
-                    for p in expert.parameters():
-                        buf = [b for b in dopt.buffers if p in b.param_index_map][0]
-                        layouts.append(mg._dp_layout(buf, p))
-            result["layouts"] = layouts
-    result["elapsed_s"] = time.perf_counter() - t0
-    Path(f"{out_path}.rank{rank}").write_text(json.dumps(result))
+    results: dict[str, Any] = {}
+    for dtype in dtypes.split(","):
+        result: dict[str, Any] = {"dtype": dtype, "layers": list(LAYERS), "new_maps": new_maps,
+                                  "expert_dp": ps.get_expert_data_parallel_world_size()}
+        t0 = time.perf_counter()
+        for name in ("base", "moved", "interrupted"):
+            model, ddp, opt = _build(7, rank, world, dtype == "bf16")
+            live = rt.install_megatron(model, identity)
+            losses = []
+            for step in range(STEPS):
+                losses.append(_step(ddp, opt, step, rank, world))
+                if step == MIGRATE_AT and name == "moved":
+                    result["report"] = mg.migrate(model, opt, new_maps, live_map=live).to_dict()
+                if step == MIGRATE_AT and name == "interrupted":  # rank world-1 fails after the transfer
+                    before = _state(model, opt, live)
+                    real_check = mg._check_received
+                    if rank == world - 1:
+                        def broken(buffers: Any) -> None:
+                            raise mg.MigrationError("injected: the last rank's received buffers fail their check")
+                        mg._check_received = broken  # type: ignore[assignment]
+                    try:
+                        mg.migrate(model, opt, new_maps, live_map=live)
+                    except mg.MigrationError as e:
+                        result["interrupted_error"] = str(e)
+                    finally:
+                        mg._check_received = real_check  # type: ignore[assignment]
+                    result["interrupted_unchanged"] = _state(model, opt, live) == before and all(
+                        live.phy2log(k).tolist() == identity[k] for k in LAYERS)
+            result[f"{name}_losses"], result[f"{name}_state"] = losses, _state(model, opt, live)
+            if name == "base":  # where the shard boundaries fall: (bucket, DP rank) -> param range, per expert param
+                buffers = [b for o in opt.chained_optimizers for b in getattr(o, "buffers", [])]
+                layouts = []
+                for layer in model.decoder.layers:
+                    for expert in layer.mlp.experts.local_experts:
+                        for p in expert.parameters():
+                            buf = [b for b in buffers if p in b.param_index_map][0]
+                            layouts.append(mg._dp_layout(buf, p))
+                result["layouts"] = layouts
+        result["elapsed_s"] = time.perf_counter() - t0
+        results[dtype] = result
+    Path(f"{out_path}.rank{rank}").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -199,4 +227,4 @@ if __name__ == "__main__":
     import warnings
 
     warnings.filterwarnings("ignore")
-    run(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    run(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
