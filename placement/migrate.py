@@ -12,13 +12,14 @@ map per MoE layer.  Every logical expert whose slot changes takes its whole trai
   keeps for the parameter); scalar state (Adam's ``step``) is the same for every expert and is
   checked to be equal on every rank, not sent.
 
-Protocol, all ranks of one expert-parallel group (each EP group of a stage runs it in its own group:
-expert-data-parallel replicas hold the same experts and move them the same way):
+Protocol, every rank of the job (``state_group``, default the world): weights move within each
+expert-parallel group (expert-data-parallel replicas hold the same experts and move them the same
+way), but all ranks agree, so the replicas switch together or not at all:
 
 1. **Plan and agree**: each rank derives the same moves from the old and new maps, checks that its
    slots' state has the layout of every other rank's (names, shapes, dtypes) and that scalar state
-   agrees; an all-reduce (MIN) of a status flag over the group.  A failure anywhere: every rank
-   raises :class:`MigrationError`, nothing has changed.
+   agrees (compared over the EP group); an all-reduce (MIN) of a status flag over ``state_group``.
+   A failure anywhere: every rank raises :class:`MigrationError`, nothing has changed.
 2. **Transfer into scratch**: every rank packs what it sends and allocates what it receives (one
    buffer per moved slot and dtype, in one global order on every rank; experts that change slot on
    the same rank are copied locally), the ranks agree that all are ready (so a rank that failed
@@ -519,10 +520,10 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
         :func:`placement.runtime.install_torchtitan` returned (``phy2log(layer)``, ``update(maps)``).
     group : the expert-parallel process group (default: Megatron-Core's
         ``parallel_state.get_expert_model_parallel_group()``; TorchTitan: ``mesh["ep"].get_group()``).
-    state_group : with a Megatron-Core ``DistributedOptimizer`` only: a group holding every rank of
-        the EP group and of the expert-data-parallel groups of its members (the ranks agree over it
-        and the optimizer shards move over it; default: the whole world, so every rank calls
-        ``migrate``; with pipeline stages, pass the EP x expert-DP group of this stage).
+    state_group : the ranks that agree before anything changes (all switch or none): every rank of
+        the EP group and of the expert-data-parallel groups of its members, over which a
+        ``DistributedOptimizer`` 's shards also move.  Default: the whole world, so every rank of
+        the job calls ``migrate`` at the same step boundary (pipeline stages each with their layers).
 
     Returns
     -------
@@ -545,9 +546,11 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
         group = parallel_state.get_expert_model_parallel_group()
     ep, me = dist.get_world_size(group), dist.get_rank(group)
     dopts = _distributed_optimizers(optimizer)
-    # with a distributed optimizer, an expert's state is split over its expert-DP ranks, and a shard
-    # may go to another DP index than its owner's: the ranks agree and transfer over state_group
-    xgroup = group if not dopts else (state_group if state_group is not None else dist.group.WORLD)
+    # every rank agrees, not only this EP group: the expert-data-parallel replicas of a slot must all
+    # switch or none (one EP group switching alone would average different experts' gradients); and
+    # with a distributed optimizer a shard may go to another DP index than its owner's: the shards
+    # move over state_group too
+    xgroup = state_group if state_group is not None else dist.group.WORLD
     me_global = dist.get_rank()
 
     # 1. plan and agree
@@ -603,7 +606,8 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
     except Exception as e:  # every rank must reach the agreement, whatever failed
         ok, error = False, str(e) if isinstance(e, (MigrationError, InvalidInputError)) else f"{type(e).__name__}: {e}"
     agreed = _agree(ok, xgroup)
-    agreed = _same_everywhere([int(x) for x in signature], xgroup) and agreed
+    agreed = _same_everywhere([int(x) for x in signature], group) and agreed  # pipeline stages differ
+    agreed = _agree(agreed, xgroup)
     if not agreed:
         raise MigrationError(error or "migrate: another EP rank refused, or the ranks' plans or state layouts differ; "
                              "nothing moved")

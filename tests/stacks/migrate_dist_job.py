@@ -33,6 +33,11 @@ BUCKET_NUMEL = 1000  # elements per DDP bucket: each bucket's DP halves cut thro
 
 
 def _maybe_skip_optimizer() -> None:
+    """``MIGRATE_SKIP_OPTIMIZER=1``: weights only, neither the slots' master copies and optimizer
+    state (as tests/stacks/migrate_jobs.py) nor the distributed optimizer's shards."""
+    from tests.stacks import migrate_jobs
+
+    migrate_jobs._maybe_skip_optimizer()
     if os.environ.get("MIGRATE_SKIP_OPTIMIZER") == "1":
         from placement import migrate as mg
 
@@ -71,7 +76,7 @@ def _gpt(seed: int, bf16: bool) -> Any:
                         position_embedding_type="learned_absolute")
 
 
-def _build(seed: int, rank: int, world: int, bf16: bool) -> tuple[Any, Any, Any]:
+def _build(seed: int, rank: int, world: int, bf16: bool, sharded: bool = True) -> tuple[Any, Any, Any]:
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -93,9 +98,10 @@ def _build(seed: int, rank: int, world: int, bf16: bool) -> tuple[Any, Any, Any]
     else:
         wrapped = model
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_NUMEL), wrapped)
+        use_distributed_optimizer=sharded, overlap_grad_reduce=True, bucket_size=BUCKET_NUMEL), wrapped)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, clip_grad=0.0, bf16=bf16), [ddp])
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=sharded, clip_grad=0.0, bf16=bf16),
+        [ddp])
     return model, ddp, opt
 
 
@@ -134,6 +140,13 @@ def _state(model: Any, opt: Any, live: Any) -> dict[str, list[float]]:
             logical = int(live.phy2log(li)[ep_rank * per_rank + i])
             for n, p in expert.named_parameters():
                 mine[f"{li}/{logical}/{n}/w"] = (0, p.numel(), p.detach().reshape(-1).tolist())
+                master = getattr(p, "main_param", None)
+                if not dopts and master is not None:  # Float16OptimizerWithFloat16Params: whole FP32 copies
+                    state = next(o.optimizer.state[master] for o in opt.chained_optimizers
+                                 if master in o.optimizer.state)
+                    parts = {"main": master, **{k: v for k, v in state.items() if v.dim()}}
+                    for k, v in parts.items():
+                        mine[f"{li}/{logical}/{n}/{k}@0"] = (0, p.numel(), v.reshape(-1).tolist())
                 for d in dopts:
                     if p not in d.model_param_group_index_map:
                         continue
@@ -184,7 +197,7 @@ def run(rank: int, world: int, port: int, out_path: str, dtypes: str) -> None:
                                   "expert_dp": ps.get_expert_data_parallel_world_size()}
         t0 = time.perf_counter()
         for name in ("base", "moved", "interrupted"):
-            model, ddp, opt = _build(7, rank, world, dtype == "bf16")
+            model, ddp, opt = _build(7, rank, world, dtype.startswith("bf16"), dtype != "bf16-float16opt")
             live = rt.install_megatron(model, identity)
             losses = []
             for step in range(STEPS):
@@ -213,8 +226,7 @@ def run(rank: int, world: int, port: int, out_path: str, dtypes: str) -> None:
                 for layer in model.decoder.layers:
                     for expert in layer.mlp.experts.local_experts:
                         for p in expert.parameters():
-                            buf = [b for b in buffers if p in b.param_index_map][0]
-                            layouts.append(mg._dp_layout(buf, p))
+                            layouts += [mg._dp_layout(b, p) for b in buffers if p in b.param_index_map]
                 result["layouts"] = layouts
         result["elapsed_s"] = time.perf_counter() - t0
         results[dtype] = result

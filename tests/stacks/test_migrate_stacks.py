@@ -16,7 +16,8 @@ Megatron-Core 0.16.1 ``GPTModel`` + ``SequentialMLP`` + ``FP32Optimizer(Adam)``;
 
 - under Megatron-Core's ``DistributedOptimizer`` (4 processes, EP = 2 x expert-DP = 2, FP32 and
   BF16 model parameters; tests/stacks/migrate_dist_job.py), each expert's main-parameter and Adam
-  shards reach the new slot's owners: migrating equals never migrating, exactly.
+  shards reach the new slot's owners: migrating equals never migrating, exactly; the same job runs
+  ``Float16OptimizerWithFloat16Params`` (BF16 weights, whole FP32 master copies).
 
 A migration that skips the optimizer state fails these tests: run them with
 ``MIGRATE_SKIP_OPTIMIZER=1`` (docs/migration.md shows the failures).
@@ -152,7 +153,9 @@ def _check_controller(ranks: list[dict]) -> None:
 DIST_WORLD = 4  # EP = 2 x expert data parallel = 2
 # bytes per parameter of a moved expert: weights (sent by each of the 2 expert-DP replicas), the
 # FP32 main shard when apart from the weights, the two FP32 Adam moments (each shard sent once)
-DIST_BYTES = {"fp32": {"weights": 4 * 2, "optimizer": 8}, "bf16": {"weights": 2 * 2, "master": 4, "optimizer": 8}}
+# (Float16OptimizerWithFloat16Params: whole master copies and moments on every replica, each moves its own)
+DIST_BYTES = {"fp32": {"weights": 4 * 2, "optimizer": 8}, "bf16": {"weights": 2 * 2, "master": 4, "optimizer": 8},
+              "bf16-float16opt": {"weights": 2 * 2, "master": 4 * 2, "optimizer": 8 * 2}}
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +191,14 @@ def test_distributed_optimizer_shards_move_to_their_new_owners(dist_job, dtype):
     migrates after step 2 gives exactly the losses, weights, FP32 main parameters and Adam moments
     (whole, gathered from the shards, by logical expert) of one that never migrates; every moved
     expert's shards are sent once; a failure on one rank after the transfer leaves every rank's
-    state and map unchanged.  With ``MIGRATE_SKIP_OPTIMIZER=1`` the job moves the weights only and
+    state and map unchanged, in both EP groups.  The same with Megatron's unsharded
+    ``Float16OptimizerWithFloat16Params`` (``param.main_param``, ``bf16-float16opt``).  With ``MIGRATE_SKIP_OPTIMIZER=1`` the job moves the weights only and
     this test fails (docs/migration.md)."""
     ranks = [r[dtype] for r in dist_job]
     r0 = ranks[0]
     assert r0["expert_dp"] == 2
-    # the buckets' DP halves cut through expert parameters: a parameter with parts on both DP ranks
-    assert any(len(layout) == 2 for layout in r0["layouts"]), r0["layouts"]
+    if dtype != "bf16-float16opt":  # the buckets' DP halves cut through expert parameters
+        assert any(len(layout) == 2 for layout in r0["layouts"]), r0["layouts"]
     assert not any(np.isnan(v).any() for v in r0["base_state"].values())  # every shard gathered
     kinds = {k.rsplit("/", 1)[-1] for k in r0["base_state"] if not k.startswith("dense/")}
     assert kinds == {"w", "main", "exp_avg", "exp_avg_sq"}
