@@ -613,7 +613,9 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
                              "nothing moved")
     ep_members = [int(dist.get_global_rank(group, r)) for r in range(ep)]
     owner: dict[tuple[int, int], int] = {}  # (EP rank, expert-DP rank) -> global rank
-    if any(x for layer in shards for sl in shards[layer] for x in sl):
+    has_shards = torch.tensor([1 if any(x for layer in shards for sl in shards[layer] for x in sl) else 0])
+    dist.all_reduce(has_shards, op=dist.ReduceOp.MAX, group=xgroup)  # every rank takes the same branch
+    if int(has_shards.item()):
         coords: list[Any] = [None] * dist.get_world_size(xgroup)
         dist.all_gather_object(coords, (me_global, ep_members, dp_members), group=xgroup)
         dp_of = {int(g): list(d) for g, _e, d in coords}
