@@ -12,13 +12,14 @@ map per MoE layer.  Every logical expert whose slot changes takes its whole trai
   keeps for the parameter); scalar state (Adam's ``step``) is the same for every expert and is
   checked to be equal on every rank, not sent.
 
-Protocol, all ranks of one expert-parallel group (each EP group of a stage runs it in its own group:
-expert-data-parallel replicas hold the same experts and move them the same way):
+Protocol, every rank of the job (``state_group``, default the world): weights move within each
+expert-parallel group (expert-data-parallel replicas hold the same experts and move them the same
+way), but all ranks agree, so the replicas switch together or not at all:
 
 1. **Plan and agree**: each rank derives the same moves from the old and new maps, checks that its
    slots' state has the layout of every other rank's (names, shapes, dtypes) and that scalar state
-   agrees; an all-reduce (MIN) of a status flag over the group.  A failure anywhere: every rank
-   raises :class:`MigrationError`, nothing has changed.
+   agrees (compared over the EP group); an all-reduce (MIN) of a status flag over ``state_group``.
+   A failure anywhere: every rank raises :class:`MigrationError`, nothing has changed.
 2. **Transfer into scratch**: every rank packs what it sends and allocates what it receives (one
    buffer per moved slot and dtype, in one global order on every rank; experts that change slot on
    the same rank are copied locally), the ranks agree that all are ready (so a rank that failed
@@ -35,9 +36,18 @@ Supported, and refused with a one-line :class:`MigrationError` otherwise:
 * Megatron-Core 0.16.1 ``SequentialMLP`` experts (``mlp.experts.local_experts[i]``, the local
   non-TransformerEngine spec), with a plain ``torch.optim`` optimizer, Megatron's
   ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` (master weights through
-  ``param.main_param``) or a ``ChainedOptimizer`` of them.  Not supported: ``TEGroupedMLP`` /
-  ``GroupedMLP`` (experts stacked in TransformerEngine buffers), the ``DistributedOptimizer``
-  (its shards live in flat buffers), FP8 parameters.
+  ``param.main_param``), the ``DistributedOptimizer`` over a torch optimizer, or a
+  ``ChainedOptimizer`` of them.  Not supported: ``TEGroupedMLP`` / ``GroupedMLP`` (experts stacked
+  in TransformerEngine buffers), the precision-aware / hybrid-device ``DistributedOptimizer``,
+  Megatron-FSDP, FP8 parameters.
+* The ``DistributedOptimizer``: an expert's FP32 main parameter (a separate shard when the model
+  parameter is 16-bit, a view of the FP32 model parameter otherwise) and its Adam moments are split
+  over the expert-data-parallel ranks by the DDP buckets (each bucket cut into DP-size equal
+  chunks, ``_dp_layout``); the same local slot has the same split on every EP rank.  For a move
+  from slot ``s`` to slot ``d``, each overlap of a range DP rank ``r1`` owns of ``s``'s parameter
+  with a range DP rank ``r2`` owns of ``d``'s goes from (EP rank of ``s``, ``r1``) to (EP rank of
+  ``d``, ``r2``), so a shard can change DP index as well as EP rank.  The ranks then agree and
+  transfer over ``state_group`` (default: the world), weights and shards in one batch.
 * TorchTitan 0.3.0 ``GroupedExperts`` (``w1_EFD``, ``w2_EDF``, ``w3_EFD``: local experts stacked
   on dim 0; DTensor parameters are read through ``to_local()``) with a ``torch.optim`` optimizer
   (TorchTitan's mixed precision keeps FP32 parameters: they are the master weights).
@@ -217,7 +227,9 @@ def _scan(model: Any, layers: Sequence[int]) -> tuple[str, dict[int, list[list[t
 
 
 def _optimizer_states(optimizer: Any) -> list[Any]:
-    """The ``torch.optim.Optimizer`` s behind ``optimizer`` (refusing what is not supported)."""
+    """The ``torch.optim.Optimizer`` s behind ``optimizer`` whose state is keyed by the model
+    parameters (a Megatron-Core ``DistributedOptimizer`` 's are keyed by its shards: not listed,
+    :func:`_distributed_optimizers`), refusing what is not supported."""
     import torch
 
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -225,13 +237,123 @@ def _optimizer_states(optimizer: Any) -> list[Any]:
     kind = type(optimizer).__name__
     if hasattr(optimizer, "chained_optimizers"):
         return [o for inner in optimizer.chained_optimizers for o in _optimizer_states(inner)]
-    if kind in ("DistributedOptimizer", "HybridDeviceOptimizer") or "Distributed" in kind:
-        raise MigrationError(f"optimizer: {kind} is not supported by migrate (its shards live in flat buffers); "
-                             "use a torch.optim optimizer, FP32Optimizer or Float16OptimizerWithFloat16Params")
+    if _is_distributed(optimizer):
+        _check_distributed(optimizer)
+        return []
+    if "Distributed" in kind or kind == "HybridDeviceOptimizer":
+        raise MigrationError(f"optimizer: {kind} is not supported by migrate (of the sharded optimizers, only "
+                             "Megatron-Core's DistributedOptimizer, with its shard maps, over a torch optimizer)")
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(inner, torch.optim.Optimizer):
         return [inner]
     raise MigrationError(f"optimizer: {kind} is not supported by migrate")
+
+
+def _is_distributed(optimizer: Any) -> bool:
+    return type(optimizer).__name__ == "DistributedOptimizer" and hasattr(optimizer, "model_param_gbuf_map")
+
+
+def _distributed_optimizers(optimizer: Any) -> list[Any]:
+    """The Megatron-Core ``DistributedOptimizer`` s in ``optimizer`` (itself, or in a ``ChainedOptimizer``)."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for inner in optimizer.chained_optimizers for o in _distributed_optimizers(inner)]
+    return [optimizer] if _is_distributed(optimizer) else []
+
+
+def _check_distributed(dopt: Any) -> None:
+    import torch
+
+    kind = type(dopt.optimizer).__name__
+    if getattr(dopt, "is_stub_optimizer", False):
+        return
+    if getattr(dopt.ddp_config, "use_megatron_fsdp", False):
+        raise MigrationError("optimizer: DistributedOptimizer over Megatron-FSDP is not supported by migrate")
+    if getattr(dopt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False) or not isinstance(
+            dopt.optimizer, torch.optim.Optimizer) or kind == "HybridDeviceOptimizer":
+        raise MigrationError(f"optimizer: DistributedOptimizer with {kind} (precision-aware or hybrid-device state) "
+                             "is not supported by migrate")
+
+
+@dataclass
+class _Shards:
+    """One expert parameter's distributed-optimizer state: how its flat elements split over the
+    expert-data-parallel ranks, and this rank's part.
+
+    numel : elements of the whole parameter.
+    layout : ``[(dp_rank, lo, hi), ...]`` the parameter's flat range ``[lo, hi)`` each DP rank owns
+        (from the bucket's shard boundaries; the same on every EP rank for the same local slot).
+    tensors : ``[(kind, name, tensor), ...]`` this rank's shard (shape ``(hi - lo,)``): the FP32
+        main parameter when the model parameter is 16-bit (an FP32 one's main shard is a view of
+        the weights, which move anyway) and the per-element optimizer state; empty when this rank
+        owns no part of the parameter.
+    dp_ranks : global ranks of the parameter's data-parallel group, in group order.
+    """
+
+    name: str
+    numel: int
+    layout: list[tuple[int, int, int]]
+    tensors: list[tuple[str, str, Any]]
+    dp_ranks: list[int]
+
+
+def _dp_layout(buffer: Any, param: Any) -> list[tuple[int, int, int]]:
+    """``[(dp_rank, lo, hi)]``: which part of ``param`` (flat) each DP rank of ``buffer`` owns.
+
+    Megatron-Core 0.16.1 ``DistributedOptimizer._build_model_gbuf_range``: bucket ``b`` (its
+    ``offset`` in the buffer, ``grad_data.numel()`` elements) is cut into DP-size equal chunks, chunk
+    ``r`` owned by DP rank ``r``; ``buffer.param_index_map[param] = (start, end, bucket)``.
+    """
+    start, end, bucket_id = buffer.param_index_map[param]
+    bucket = buffer.buckets[bucket_id]
+    size = int(buffer.data_parallel_group.size())
+    chunk = int(bucket.grad_data.numel()) // size
+    out = []
+    for r in range(size):
+        c_lo, c_hi = bucket.offset + r * chunk, bucket.offset + (r + 1) * chunk
+        lo, hi = max(start, c_lo), min(end, c_hi)
+        if hi > lo:
+            out.append((r, lo - start, hi - start))
+    return out
+
+
+def _shard_fields(params: list[tuple[str, Any, int | None]], dopts: list[Any]) -> tuple[list[_Shards], list[float]]:
+    """One slot's distributed-optimizer shards (one :class:`_Shards` per parameter a
+    ``DistributedOptimizer`` of ``dopts`` holds) and the scalar state of this rank's shards."""
+    import torch
+    import torch.distributed as dist
+
+    out: list[_Shards] = []
+    scalars: list[float] = []
+    for name, param, _row in params:
+        owner = [(d, b) for d in dopts for b in getattr(d, "buffers", []) if param in b.param_index_map]
+        if not owner:
+            continue
+        dopt, buffer = owner[0]
+        layout = _dp_layout(buffer, param)
+        tensors: list[tuple[str, str, Any]] = []
+        if param in dopt.model_param_group_index_map:
+            gi, order = dopt.model_param_group_index_map[param]
+            main = dopt.optimizer.param_groups[gi]["params"][order]
+            mine = [x for x in layout if x[0] == int(buffer.data_parallel_group.rank())]
+            if len(mine) != 1 or main.numel() != mine[0][2] - mine[0][1]:
+                raise MigrationError(f"{name}: the distributed optimizer's shard does not match its bucket range")
+            if param.dtype != torch.float32:
+                tensors.append(("master", f"{name}.main_param", main.data))
+            state = dopt.optimizer.state.get(main, {})
+            for key in sorted(state):
+                value = state[key]
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.dim() == 0:
+                    scalars.append(float(value.item()))
+                elif value.shape == main.shape:
+                    tensors.append(("optimizer", f"{name}.{key}", value))
+                else:
+                    raise MigrationError(f"{name}: optimizer state {key!r} of shape {tuple(value.shape)} is "
+                                         "neither per element nor a scalar")
+        out.append(_Shards(name, int(param.numel()), layout, tensors,
+                           [int(x) for x in dist.get_process_group_ranks(buffer.data_parallel_group)]))
+    return out, scalars
 
 
 def _slot_fields(stack: str, params: list[tuple[str, Any, int | None]], states: list[Any]) -> tuple[list[_Field], list[float]]:
@@ -243,8 +365,10 @@ def _slot_fields(stack: str, params: list[tuple[str, Any, int | None]], states: 
     for name, param, row in params:
         if getattr(param, "_is_float8tensor", False) or type(param).__name__.startswith("Float8"):
             raise MigrationError(f"{name}: FP8 parameters are not supported by migrate")
-        fields.append(_Field("weights", name, _local(param.data), row))
         master = getattr(param, "main_param", None)
+        fields.append(_Field("weights", name, _local(param.data), row))
+        if getattr(param, "main_param_sharded", False):  # a DistributedOptimizer's: _shard_fields
+            continue
         holders = [param] if master is None else [master]
         if master is not None:
             fields.append(_Field("master", f"{name}.main_param", _local(master.data), row))
@@ -379,7 +503,8 @@ def _check_received(buffers: list[Any]) -> None:
             raise MigrationError("received expert state with non-finite values")
 
 
-def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, group: Any = None) -> MigrationReport:
+def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, group: Any = None,
+            state_group: Any = None) -> MigrationReport:
     """Move every re-placed expert's weights, master weights and optimizer state to its new EP rank,
     then switch the live map (module docstring: protocol, what is supported).
 
@@ -395,6 +520,10 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
         :func:`placement.runtime.install_torchtitan` returned (``phy2log(layer)``, ``update(maps)``).
     group : the expert-parallel process group (default: Megatron-Core's
         ``parallel_state.get_expert_model_parallel_group()``; TorchTitan: ``mesh["ep"].get_group()``).
+    state_group : the ranks that agree before anything changes (all switch or none): every rank of
+        the EP group and of the expert-data-parallel groups of its members, over which a
+        ``DistributedOptimizer`` 's shards also move.  Default: the whole world, so every rank of
+        the job calls ``migrate`` at the same step boundary (pipeline stages each with their layers).
 
     Returns
     -------
@@ -416,20 +545,30 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
 
         group = parallel_state.get_expert_model_parallel_group()
     ep, me = dist.get_world_size(group), dist.get_rank(group)
+    dopts = _distributed_optimizers(optimizer)
+    # every rank agrees, not only this EP group: the expert-data-parallel replicas of a slot must all
+    # switch or none (one EP group switching alone would average different experts' gradients); and
+    # with a distributed optimizer a shard may go to another DP index than its owner's: the shards
+    # move over state_group too
+    xgroup = state_group if state_group is not None else dist.group.WORLD
+    me_global = dist.get_rank()
 
     # 1. plan and agree
     ok, error = True, ""
     plans: dict[int, list[tuple[int, int]]] = {}
     fields: dict[int, list[list[_Field]]] = {}
+    shards: dict[int, list[list[_Shards]]] = {}
     new_maps: dict[int, np.ndarray] = {}
     signature: list[int] = [-1, -1, -1]
     scalars: list[float] = []
+    dp_members: list[int] = []
     try:
         new_maps = _as_maps(new_placement)
         layers = sorted(new_maps)
         stack, params = _expert_params(model, layers)
         states = _optimizer_states(optimizer)
-        sig_text = [stack, str(ep)]
+        sig_text = [stack, str(ep), str(len(dopts))]
+        shard_scalars: list[float] = []
         for layer in layers:
             try:
                 old = np.asarray(live_map.phy2log(layer), dtype=np.int64).reshape(-1)
@@ -439,27 +578,56 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
             per_rank = old.shape[0] // ep
             if len(params[layer]) != per_rank:
                 raise MigrationError(f"layer {layer}: {len(params[layer])} local experts, the map gives {per_rank} per rank")
-            fields[layer] = []
+            fields[layer], shards[layer] = [], []
             for slot in params[layer]:
                 f, s = _slot_fields(stack, slot, states)
                 fields[layer].append(f)
                 scalars += s
+                sh, s = _shard_fields(slot, dopts)
+                shards[layer].append(sh)
+                shard_scalars += s
             sig_text.append(f"{layer}:{old.tolist()}:{new_maps[layer].tolist()}")
             sig_text += [f"{x.kind}/{x.name}/{tuple(x.view().shape)}/{x.view().dtype}" for x in fields[layer][0]]
+            sig_text += [f"{x.name}/{x.numel}/{x.layout}" for sl in shards[layer] for x in sl]
             if any([(x.name, x.view().shape, x.view().dtype) for x in f] !=
                    [(x.name, x.view().shape, x.view().dtype) for x in fields[layer][0]] for f in fields[layer]):
                 raise MigrationError(f"layer {layer}: local experts hold state of different layouts")
+            for sl in shards[layer]:
+                for x in sl:
+                    dp_members = dp_members or x.dp_ranks
+                    if x.dp_ranks != dp_members:
+                        raise MigrationError(f"{x.name}: expert parameters of different data-parallel groups")
         lo, hi = (min(scalars), max(scalars)) if scalars else (0.0, 0.0)
         if lo != hi or not all(math.isfinite(x) for x in (lo, hi)):
             raise MigrationError(f"optimizer: scalar state differs between experts ({lo} .. {hi})")
+        if shard_scalars and (min(shard_scalars) != max(shard_scalars) or scalars and shard_scalars[0] != lo):
+            raise MigrationError("optimizer: scalar state differs between experts' distributed-optimizer shards")
         signature = [_digest("|".join(sig_text)), struct.unpack("<q", struct.pack("<d", lo))[0], len(scalars)]
     except Exception as e:  # every rank must reach the agreement, whatever failed
         ok, error = False, str(e) if isinstance(e, (MigrationError, InvalidInputError)) else f"{type(e).__name__}: {e}"
-    agreed = _agree(ok, group)
-    agreed = _same_everywhere([int(x) for x in signature], group) and agreed
+    agreed = _agree(ok, xgroup)
+    agreed = _same_everywhere([int(x) for x in signature], group) and agreed  # pipeline stages differ
+    agreed = _agree(agreed, xgroup)
     if not agreed:
         raise MigrationError(error or "migrate: another EP rank refused, or the ranks' plans or state layouts differ; "
                              "nothing moved")
+    ep_members = [int(dist.get_global_rank(group, r)) for r in range(ep)]
+    owner: dict[tuple[int, int], int] = {}  # (EP rank, expert-DP rank) -> global rank
+    has_shards = torch.tensor([1 if any(x for layer in shards for sl in shards[layer] for x in sl) else 0])
+    dist.all_reduce(has_shards, op=dist.ReduceOp.MAX, group=xgroup)  # every rank takes the same branch
+    if int(has_shards.item()):
+        coords: list[Any] = [None] * dist.get_world_size(xgroup)
+        dist.all_gather_object(coords, (me_global, ep_members, dp_members), group=xgroup)
+        dp_of = {int(g): list(d) for g, _e, d in coords}
+        ep_of = {int(g): list(e) for g, e, _d in coords}
+        try:
+            owner = {(a, b): dp_of[ep_members[a]][b] for a in range(ep) for b in range(len(dp_members))}
+            ok = all(ep_of[owner[(a, b)]] == [owner[(c, b)] for c in range(ep)] for a, b in owner)
+        except (KeyError, IndexError):
+            ok = False
+        if not _agree(ok, xgroup):
+            raise MigrationError("state_group: does not hold the EP group and the expert-data-parallel groups of its "
+                                 "members, or they are not laid out as a grid; nothing moved")
 
     # 2. transfer into scratch
     report = MigrationReport({layer: sum(1 for s, d in plans[layer] if s // (len(new_maps[layer]) // ep)
@@ -468,48 +636,66 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
     received: list[Any] = []
     ops: list[Any] = []
     sent_keep: list[Any] = []
+
+    def post(src_fields: list[_Field], dst_fields: list[_Field], sender: int, receiver: int, local: bool) -> None:
+        """Pack / receive one message per dtype: ``src_fields`` on ``sender``, ``dst_fields`` on
+        ``receiver`` (global ranks; either list is empty on the rank that is not that end)."""
+        template = dst_fields or src_fields
+        dtypes = sorted({str(f.view().dtype) for f in template})
+        for dtype_name in dtypes:
+            group_fields = [i for i, f in enumerate(template) if str(f.view().dtype) == dtype_name]
+            if sender == me_global:
+                packed = torch.cat([src_fields[i].view().reshape(-1) for i in group_fields])
+            if receiver == me_global and sender == me_global:
+                scratch.append(([dst_fields[i] for i in group_fields], [packed.clone()]))
+                report.local_moves += 1 if local and dtype_name == dtypes[0] else 0
+            elif sender == me_global:
+                sent_keep.append(packed)
+                ops.append(dist.P2POp(dist.isend, packed, receiver, xgroup))
+                report.sent_bytes += packed.numel() * packed.element_size()
+                for i in group_fields:
+                    v = src_fields[i].view()
+                    kind = src_fields[i].kind
+                    report.bytes_by_kind[kind] = report.bytes_by_kind.get(kind, 0) + v.numel() * v.element_size()
+            else:
+                numel = sum(dst_fields[i].view().numel() for i in group_fields)
+                buf = torch.empty(numel, dtype=dst_fields[group_fields[0]].view().dtype)
+                scratch.append(([dst_fields[i] for i in group_fields], [buf]))
+                received.append(buf)
+                ops.append(dist.P2POp(dist.irecv, buf, sender, xgroup))
+                report.received_bytes += buf.numel() * buf.element_size()
+
     try:
         with torch.no_grad():
             for layer in sorted(plans):
                 per_rank = len(new_maps[layer]) // ep
                 for src, dst in plans[layer]:
                     src_rank, dst_rank = src // per_rank, dst // per_rank
-                    if me not in (src_rank, dst_rank):
-                        continue
-                    dst_fields = fields[layer][dst % per_rank] if dst_rank == me else []
-                    src_fields = fields[layer][src % per_rank] if src_rank == me else []
-                    template = dst_fields or src_fields
-                    dtypes = sorted({str(f.view().dtype) for f in template})
-                    for dtype_name in dtypes:
-                        group_fields = [i for i, f in enumerate(template) if str(f.view().dtype) == dtype_name]
-                        if src_rank == me:
-                            packed = torch.cat([src_fields[i].view().reshape(-1) for i in group_fields])
-                        if dst_rank == me and src_rank == me:
-                            scratch.append(([dst_fields[i] for i in group_fields], [packed.clone()]))
-                            report.local_moves += 1 if dtype_name == dtypes[0] else 0
-                        elif src_rank == me:
-                            sent_keep.append(packed)
-                            peer = dist.get_global_rank(group, dst_rank)
-                            ops.append(dist.P2POp(dist.isend, packed, peer, group))
-                            report.sent_bytes += packed.numel() * packed.element_size()
-                            for i in group_fields:
-                                v = src_fields[i].view()
-                                kind = src_fields[i].kind
-                                report.bytes_by_kind[kind] = report.bytes_by_kind.get(kind, 0) + v.numel() * v.element_size()
-                        else:
-                            numel = sum(dst_fields[i].view().numel() for i in group_fields)
-                            buf = torch.empty(numel, dtype=dst_fields[group_fields[0]].view().dtype)
-                            scratch.append(([dst_fields[i] for i in group_fields], [buf]))
-                            received.append(buf)
-                            peer = dist.get_global_rank(group, src_rank)
-                            ops.append(dist.P2POp(dist.irecv, buf, peer, group))
-                            report.received_bytes += buf.numel() * buf.element_size()
+                    # the weights (and non-sharded state): within each EP group, replica to replica
+                    if me in (src_rank, dst_rank):
+                        post(fields[layer][src % per_rank] if src_rank == me else [],
+                             fields[layer][dst % per_rank] if dst_rank == me else [],
+                             ep_members[src_rank], ep_members[dst_rank], local=True)
+                    # the distributed optimizer's shards: each overlap of an owner's range on the old
+                    # slot with an owner's range on the new slot, from that owner to this one
+                    for s_sh, d_sh in zip(shards[layer][src % per_rank], shards[layer][dst % per_rank]):
+                        for r1, lo1, hi1 in s_sh.layout:
+                            for r2, lo2, hi2 in d_sh.layout:
+                                a, b = max(lo1, lo2), min(hi1, hi2)
+                                sender, receiver = owner[(src_rank, r1)], owner[(dst_rank, r2)]
+                                if b <= a or me_global not in (sender, receiver):
+                                    continue
+                                post([_Field(k, n, t[a - lo1:b - lo1], None) for k, n, t in s_sh.tensors]
+                                     if sender == me_global else [],
+                                     [_Field(k, n, t[a - lo2:b - lo2], None) for k, n, t in d_sh.tensors]
+                                     if receiver == me_global else [],
+                                     sender, receiver, local=False)
         ok = True
     except Exception as e:  # as above
         ok, error = False, f"preparing the transfer: {type(e).__name__}: {e}"
     # every rank has its buffers and operations ready before any point-to-point operation is posted
     # (a rank that failed posts nothing, and no peer waits for it)
-    if not _agree(ok, group):
+    if not _agree(ok, xgroup):
         raise MigrationError(error or "migrate: another EP rank failed preparing the transfer; nothing moved")
     try:
         t_transfer = time.perf_counter()
@@ -523,7 +709,7 @@ def migrate(model: Any, optimizer: Any, new_placement: Any, *, live_map: Any, gr
         ok, error = False, f"transfer: {e}"
 
     # 3. agree again, 4. commit
-    if not _agree(ok, group):
+    if not _agree(ok, xgroup):
         raise MigrationError(error or "migrate: another EP rank failed before the switch; the old placement is kept")
     with torch.no_grad():
         for targets, (buf,) in scratch:

@@ -84,6 +84,56 @@ def test_unsupported_optimizers_are_refused_in_one_line():
     assert _optimizer_states(Chained()) == [sgd]
 
 
+def test_precision_aware_distributed_optimizers_are_refused_in_one_line():
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from placement.migrate import _optimizer_states
+
+    class DistributedOptimizer:  # Megatron-Core's, with its shard maps
+        model_param_gbuf_map: dict = {}
+        ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+        config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=True)
+        optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+
+    with pytest.raises(MigrationError, match="precision-aware") as e:
+        _optimizer_states(DistributedOptimizer())
+    assert "\n" not in str(e.value)
+    DistributedOptimizer.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    assert _optimizer_states(DistributedOptimizer()) == []  # its state is read shard by shard
+
+
+@pytest.mark.parametrize("dp,bucket_sizes", [(2, [1024]), (2, [384, 640]), (4, [512, 512]), (3, [768])])
+def test_dp_layout_matches_the_owner_of_every_element(dp, bucket_sizes):
+    """_dp_layout against a per-element reference: element e of the buffer is owned by DP rank
+    (e - bucket.offset) // (bucket numel / dp) of its bucket."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from placement.migrate import _dp_layout
+
+    offsets = np.cumsum([0] + bucket_sizes)
+    buckets = [SimpleNamespace(offset=int(o), grad_data=torch.zeros(n)) for o, n in zip(offsets, bucket_sizes)]
+    rng = np.random.default_rng(dp)
+    params, index, pos = [], {}, 0
+    for b, n in enumerate(bucket_sizes):  # parameters packed into each bucket, sizes at random
+        end = int(offsets[b]) + n
+        while pos < end:
+            size = min(int(rng.integers(1, 300)), end - pos)
+            p = torch.nn.Parameter(torch.zeros(size))
+            params.append(p)
+            index[p] = (pos, pos + size, b)
+            pos += size
+    buffer = SimpleNamespace(param_index_map=index, buckets=buckets,
+                             data_parallel_group=SimpleNamespace(size=lambda: dp))
+    for p in params:
+        start, end, b = index[p]
+        chunk = bucket_sizes[b] // dp
+        owners = [(e - int(offsets[b])) // chunk for e in range(start, end)]
+        want = [(r, owners.index(r), len(owners) - owners[::-1].index(r)) for r in sorted(set(owners))]
+        assert _dp_layout(buffer, p) == want
+
+
 def _controller(payback: float) -> ReplacementController:
     c = ReplacementController.__new__(ReplacementController)
     c.layers, c.payback_within_steps = [0, 1], payback

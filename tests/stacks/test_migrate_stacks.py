@@ -14,8 +14,13 @@ Megatron-Core 0.16.1 ``GPTModel`` + ``SequentialMLP`` + ``FP32Optimizer(Adam)``;
   unchanged state; training then continues exactly as the run that never migrates;
 - a checkpoint saved after the migration (model, optimizer, the map entry) resumes identically.
 
-A migration that skips the optimizer state fails this test: run the job by hand with
-``MIGRATE_SKIP_OPTIMIZER=1`` (docs/migration.md shows the failure).
+- under Megatron-Core's ``DistributedOptimizer`` (4 processes, EP = 2 x expert-DP = 2, FP32 and
+  BF16 model parameters; tests/stacks/migrate_dist_job.py), each expert's main-parameter and Adam
+  shards reach the new slot's owners: migrating equals never migrating, exactly; the same job runs
+  ``Float16OptimizerWithFloat16Params`` (BF16 weights, whole FP32 master copies).
+
+A migration that skips the optimizer state fails these tests: run them with
+``MIGRATE_SKIP_OPTIMIZER=1`` (docs/migration.md shows the failures).
 """
 
 from __future__ import annotations
@@ -142,3 +147,73 @@ def _check_controller(ranks: list[dict]) -> None:
     assert maps == ranks[1]["controller"]["live_maps"] and maps != {k: list(range(8)) for k in maps}
     (line,) = ranks[0]["controller"]["log_lines"]
     assert json.loads(line) == entries[0] | {"migration": json.loads(line)["migration"]}
+
+
+
+DIST_WORLD = 4  # EP = 2 x expert data parallel = 2
+# bytes per parameter of a moved expert: weights (sent by each of the 2 expert-DP replicas), the
+# FP32 main shard when apart from the weights, the two FP32 Adam moments (each shard sent once)
+# (Float16OptimizerWithFloat16Params: whole master copies and moments on every replica, each moves its own)
+DIST_BYTES = {"fp32": {"weights": 4 * 2, "optimizer": 8}, "bf16": {"weights": 2 * 2, "master": 4, "optimizer": 8},
+              "bf16-float16opt": {"weights": 2 * 2, "master": 4 * 2, "optimizer": 8 * 2}}
+
+
+@pytest.fixture(scope="module")
+def dist_job(tmp_path_factory) -> list[dict]:
+    pytest.importorskip("megatron.core")
+    from tests.stacks.tiny import free_port
+
+    out = tmp_path_factory.mktemp("migrate_dist") / "dist.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.stacks.migrate_dist_job", str(r), str(DIST_WORLD),
+                               str(port), str(out), ",".join(DIST_BYTES)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+             for r in range(DIST_WORLD)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=170)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the distributed-optimizer migration job did not finish in 170 s")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(DIST_WORLD)]
+
+
+@pytest.mark.parametrize("dtype", list(DIST_BYTES))
+def test_distributed_optimizer_shards_move_to_their_new_owners(dist_job, dtype):
+    """Megatron-Core's ``DistributedOptimizer`` (tests/stacks/migrate_dist_job.py: 4 processes,
+    EP = 2, expert-DP = 2, buckets whose DP halves cut through expert parameters; FP32 model
+    parameters, and BF16 ones under ``Float16Module`` with FP32 main shards apart): a run that
+    migrates after step 2 gives exactly the losses, weights, FP32 main parameters and Adam moments
+    (whole, gathered from the shards, by logical expert) of one that never migrates; every moved
+    expert's shards are sent once; a failure on one rank after the transfer leaves every rank's
+    state and map unchanged, in both EP groups.  The same with Megatron's unsharded
+    ``Float16OptimizerWithFloat16Params`` (``param.main_param``, ``bf16-float16opt``).  With ``MIGRATE_SKIP_OPTIMIZER=1`` the job moves the weights only and
+    this test fails (docs/migration.md)."""
+    ranks = [r[dtype] for r in dist_job]
+    r0 = ranks[0]
+    assert r0["expert_dp"] == 2
+    if dtype != "bf16-float16opt":  # the buckets' DP halves cut through expert parameters
+        assert any(len(layout) == 2 for layout in r0["layouts"]), r0["layouts"]
+    assert not any(np.isnan(v).any() for v in r0["base_state"].values())  # every shard gathered
+    kinds = {k.rsplit("/", 1)[-1] for k in r0["base_state"] if not k.startswith("dense/")}
+    assert kinds == {"w", "main", "exp_avg", "exp_avg_sq"}
+    assert np.allclose(r0["moved_losses"], r0["base_losses"], rtol=0, atol=ATOL)
+    _close(r0["moved_state"], r0["base_state"], f"migrated vs never migrated ({dtype} distributed optimizer)")
+    report = _count(r0["layers"], r0["new_maps"])
+    params = PARAMS_PER_EXPERT["megatron"]
+    for r in ranks:
+        assert r["report"]["moved_replicas_per_layer"] == {
+            str(k): n for k, n in zip(r0["layers"], report["moved_replicas_per_layer"])}
+    sent = {kind: sum(r["report"]["bytes_by_kind"].get(kind, 0) for r in ranks)
+            for kind in {k for r in ranks for k in r["report"]["bytes_by_kind"]}}
+    assert sent == {kind: report["moved_replicas"] * params * b for kind, b in DIST_BYTES[dtype].items()}
+    # interrupted after the transfer on one rank: refused everywhere, nothing changed
+    assert all("interrupted_error" in r and r["interrupted_unchanged"] for r in ranks)
+    assert "injected" in ranks[-1]["interrupted_error"]
+    assert r0["interrupted_losses"] == r0["base_losses"]
+    _close(r0["interrupted_state"], r0["base_state"], f"interrupted vs never migrated ({dtype} distributed optimizer)")
