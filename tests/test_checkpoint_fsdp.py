@@ -7,10 +7,10 @@ checkpoint is written by ``torch.distributed.checkpoint.save`` from the same nes
 saves, so the flattened names are DCP's own:
 
 - ``megatron/training/checkpointing.py`` (core_v0.16.1) l. 643-655: ``fsdp_dtensor`` is a plain
-  ``torch.distributed.checkpoint.save`` of ``{"model": ..., "optimizer": ..., ...}``; l. 910-929:
+  ``torch.distributed.checkpoint.save`` of ``{"model": ..., "optimizer": ..., ...}``; l. 897-938:
   ``model`` is ``state_dict_for_save_checkpoint()``, ``optimizer`` is
   ``DistributedOptimizer.sharded_state_dict`` with ``distrib_optim_sharding_type="fsdp_dtensor"``;
-  l. 955-973 ``preprocess_fsdp_dtensor_state_dict``: ``_extra_state`` dropped, SwiGLU's fc1 split
+  l. 955-974 ``preprocess_fsdp_dtensor_state_dict``: ``_extra_state`` dropped, SwiGLU's fc1 split
   in ``_w`` / ``_v``, then ``handle_experts_in_state_dict`` (model keys only).
 - ``megatron/core/transformer/fsdp_dtensor_checkpoint.py`` (0.16.1) l. 92-147
   ``handle_experts_in_state_dict``: local expert ids become global (``local_experts.{e}.``,
@@ -22,7 +22,7 @@ saves, so the flattened names are DCP's own:
   optimizer names a parameter by the wrapped chunk's ``named_parameters()`` name with global
   expert ids; l. 1347-1369 ``sharded_param_state_fsdp_dtensor``: ``{"state": {name: torch Adam
   state (exp_avg, exp_avg_sq, step)}, "param_to_group_meta": {name: group without params}}``.
-- ``megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py`` (0.16.1) l. 2513-2524:
+- ``megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py`` (0.16.1) l. 2513-2525:
   the parameters the model saves are the FP32 main weights (``main_weight_buffer``): the master
   copies are the ``model.`` entries, there is no separate ``fp32_param`` state.
 - ``tools/checkpoint/checkpoint_inspector.py`` (core_v0.16.1) l. 341-342: the prefixes on disk,
@@ -228,5 +228,19 @@ def test_unknown_entry_under_an_expert_module_is_refused_by_name(tmp_path):
     state["model"][odd] = torch.ones(E)
     _save(state, src)
     with pytest.raises(InvalidInputError, match=r"model\.module\.decoder\.layers\.1\.mlp\.experts\.linear_fc1\.scale_inv"):
+        ck.permute_dcp(src, tmp_path / "dst", _doc())
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_virtual_pipeline_chunks_are_refused_by_name(tmp_path):
+    """Under VPP Megatron saves ``model0``, ``model1``, ... (chunk-local layer numbers) and a
+    ChainedOptimizer's ``{0: ..., 1: ...}`` (``checkpointing.py`` l. 897-900, ``optimizer.py``
+    ``ChainedOptimizer.sharded_state_dict``, 0.16.1): refused, naming an expert entry."""
+    src = tmp_path / "src"
+    state = _megatron_state(grouped=False)
+    state["model0"] = state.pop("model")
+    state["optimizer"] = {0: state["optimizer"]}
+    _save(state, src)
+    with pytest.raises(InvalidInputError, match=r"^(model0|optimizer\.0)\.\S*\.mlp\.(experts|router)\."):
         ck.permute_dcp(src, tmp_path / "dst", _doc())
     assert sorted(os.listdir(tmp_path)) == ["src"]
