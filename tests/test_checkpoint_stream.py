@@ -263,19 +263,3 @@ def test_in_memory_mtp_keys_of_both_megatron_releases_are_layer_num_layers():
             assert torch.equal(out[f"mtp.layers.0.{inner}.mlp.experts.local_experts.{p}.linear_fc1.weight"],
                                torch.full((2, H), float(old)))
 
-
-def test_fsdp_dtensor_layout_is_refused_naming_the_entry(tmp_path):
-    """Megatron FSDP's ``fsdp_dtensor`` layout (per-parameter names with global expert ids) is not
-    handled: its expert entries are refused by name and nothing is written."""
-    src = tmp_path / "src"
-    src.mkdir()
-    w = _Writer(src, 1)
-    key = "model.decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
-    w.tensor(0, key, (4, 2), torch.float32, (0, 0), torch.zeros(4, 2))
-    w.tensor(0, "model.decoder.layers.0.mlp.router.weight", (8, 2), torch.float32, (0, 0), torch.zeros(8, 2))
-    w.close()
-    doc = {"kind": PERMUTATION_KIND, "version": PERMUTATION_VERSION, "stack": "megatron", "num_experts": 8,
-           "layers": {"0": list(range(8))[::-1]}}
-    with pytest.raises(InvalidInputError, match=r"model\.decoder\.layers\.0\.mlp\.(experts|router)"):
-        ck.permute_dcp(src, tmp_path / "dst", doc)
-    assert sorted(os.listdir(tmp_path)) == ["src"]

@@ -60,11 +60,11 @@ BUCKET = re.compile(
 )
 
 
-def _megatron_sd(prefix: str) -> list[tuple[str, str | None, dict[str, Any]]]:
+def _megatron_sd(prefix: str, swiglu: str = "") -> list[tuple[str, str | None, dict[str, Any]]]:
     return [
         (prefix + r"router\.(?P<rest>.+)", "axis", {"router": True}),
         (prefix + r"experts\.local_experts\.(?P<expert>\d+)\.(?P<rest>.+)", "named", {"weight": True}),
-        (prefix + r"experts\.(?P<rest>linear_fc[12]\.(?:weight|bias))(?P<expert>\d+)", "named", {"weight": True}),
+        (prefix + r"experts\.(?P<rest>linear_fc[12]\.(?:weight|bias))(?P<expert>\d+)" + swiglu, "named", {"weight": True}),
         (prefix + r"experts\.(?P<rest>weight[12])", "grouped", {"weight": True}),
         (prefix + r"experts\.linear_fc[12]\._extra_state", "extra", {}),
         (prefix + r"experts\..*", "unknown", {}),
@@ -93,6 +93,11 @@ def _titan(prefix: str) -> list[tuple[str, str | None, dict[str, Any]]]:
     ]
 
 
+# Megatron FSDP's fsdp_dtensor checkpoints (megatron/training/checkpointing.py, 0.16.1 to main):
+# ``model.`` + the wrappers' ``module.`` prefixes + the parameter's name with its global expert id;
+# SwiGLU's fc1 split into ``weight{e}_w`` / ``weight{e}_v`` (handle_swiglu_in_state_dict)
+_FSDP_MODEL = r"(?:model\.)?(?:module\.)*"
+_FSDP_SWIGLU = r"(?:_[wv])?"
 _ANY_MOE: tuple[str, str | None, dict[str, Any]] = (r".*\.mlp\.(?:experts|router)\..*", "unknown", {})
 # (regex, kind, options); first full match wins; kind None = passes through untouched.
 _RULES: dict[tuple[str, str], list[tuple[str, str | None, dict[str, Any]]]] = {
@@ -117,13 +122,23 @@ _RULES: dict[tuple[str, str], list[tuple[str, str | None, dict[str, Any]]]] = {
     ],
 }
 _RULES[("torchtitan", "torch_dist")] = _RULES[("torchtitan", "state_dict")]
+_RULES[("megatron", "fsdp_dtensor")] = [
+    *_megatron_sd(_FSDP_MODEL + _MEGATRON_SD, _FSDP_SWIGLU),
+    *_megatron_sd(_FSDP_MODEL + _MEGATRON_MTP_SD, _FSDP_SWIGLU),
+    _ANY_MOE,
+]
 
 # Optimizer state keyed by a parameter's name: (regex with group "key"), per stack and form.
 _OPTIMIZER: dict[tuple[str, str], list[str]] = {
     ("megatron", "torch_dist"): [r"(?P<pre>(?:chained_\d+\.)?optimizer\.state\.\w+\.)(?P<key>.+)"],
     ("torchtitan", "state_dict"): [r"(?P<pre>(?:optimizer\.)?state\.)(?P<key>.+)\.(?P<suf>\w+)"],
     ("torchtitan", "torch_dist"): [r"(?P<pre>(?:optimizer\.)?state\.)(?P<key>.+)\.(?P<suf>\w+)"],
+    # sharded_param_state_fsdp_dtensor: {"state": {param name: {exp_avg, exp_avg_sq, step}}}
+    ("megatron", "fsdp_dtensor"): [r"(?P<pre>optimizer\.state\.)(?P<key>.+)\.(?P<suf>\w+)"],
 }
+# fsdp_dtensor's per-parameter group metadata, ``optimizer.param_to_group_meta.<param name>.<field>``
+# (objects): an expert's entries follow the expert
+_FSDP_GROUP_META = re.compile(r"optimizer\.param_to_group_meta\.(?P<rest>.+)")
 _PASS_OPTIMIZER = re.compile(r"(?:(?:chained_\d+\.)?optimizer\.)?param_groups\..*")
 _COMPILED: dict[tuple[str, str], list[tuple[re.Pattern, str | None, dict[str, Any]]]] = {
     k: [(re.compile(rx), kind, opts) for rx, kind, opts in v] for k, v in _RULES.items()
@@ -151,6 +166,10 @@ def classify(stack: str, form: str, key: str) -> _Hit | None:
     """The :class:`_Hit` of one entry name (model parameter, buffer or optimizer state), or None."""
     if form == "orbax":
         return _classify_orbax(key)
+    if form == "fsdp_dtensor":
+        g = _FSDP_GROUP_META.fullmatch(key)
+        if g:
+            return _classify_group_meta(stack, key, g.start("rest"))
     if _PASS_OPTIMIZER.fullmatch(key):
         return None
     for rx in _OPTIMIZER.get((stack, form), []):
@@ -164,6 +183,26 @@ def classify(stack: str, form: str, key: str) -> _Hit | None:
                 group = key[: m.start("key")] + inner.group + key[m.end("key") :]
             return _Hit(**{**inner.__dict__, "optimizer": True, "group": group})
     return _classify_model_key(stack, form, key)
+
+
+def _classify_group_meta(stack: str, key: str, start: int) -> _Hit | None:
+    """``optimizer.param_to_group_meta.<param name>.<field>[.<index>]``: the field's name is not
+    known in advance, so the parameter name is the longest prefix that names an expert; an entry
+    under an expert module that names none is refused, any other passes."""
+    unknown = None
+    dots = [i for i, c in enumerate(key) if c == "." and i > start]
+    for end in reversed(dots):
+        inner = _classify_model_key(stack, "fsdp_dtensor", key[start:end])
+        if inner is None:
+            continue
+        if inner.kind == "named":
+            group = key[:start] + inner.group + key[end:]
+            return _Hit(**{**inner.__dict__, "optimizer": True, "group": group})
+        if inner.kind == "unknown":
+            unknown = unknown or inner
+        else:
+            return None  # a router's group metadata: not per expert
+    return _Hit(kind="unknown") if unknown is not None else None
 
 
 def resolve_layer(hit: _Hit, layer_offset: int, num_layers: int | None, key: str) -> int:
@@ -182,7 +221,9 @@ def infer_num_layers(stack: str, form: str, keys: Any, layer_offset: int = 0) ->
         "torchtitan": re.compile(r"(?:.*\.)?layers\.(\d+)\..*"),
         "hf": re.compile(r"model\.layers\.(\d+)\..*"),
     }.get(stack)
-    if rx is None or form != "state_dict":
+    if form == "fsdp_dtensor" and stack == "megatron":
+        rx = re.compile(_FSDP_MODEL + r"decoder\.layers\.(\d+)\..*")
+    elif rx is None or form != "state_dict":
         return None
     top = -1
     for key in keys:

@@ -82,6 +82,7 @@ class _Spec:
     num_layers: int | None
     bucket_layout: tuple[tuple[Any, ...], ...] | None
     cache_bytes: int
+    form: str = "torch_dist"  # or "fsdp_dtensor" (Megatron FSDP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,8 +110,9 @@ class _Plan:
         self.routers: set[int] = set()
         self.weights: set[int] = set()
         num_layers = spec.num_layers
-        found = _infer_dcp_num_layers(spec.stack, md.state_dict_metadata)
-        if num_layers is not None and found is not None and spec.stack == "megatron" and found != num_layers:
+        found = _infer_dcp_num_layers(spec.stack, md.state_dict_metadata, spec.form)
+        if num_layers is not None and found is not None and spec.form == "torch_dist" and spec.stack == "megatron" \
+                and found != num_layers:
             raise InvalidInputError(
                 f"num_layers: the permutation says {num_layers} decoder layers, the checkpoint's stacked "
                 f"decoder.layers.* tensors hold {found}"
@@ -126,7 +128,7 @@ class _Plan:
 
     # tensors ----------------------------------------------------------------------------------
     def _plan_tensor(self, fqn: str, shape: tuple[int, ...]) -> None:
-        hit = classify(self.spec.stack, "torch_dist", fqn)
+        hit = classify(self.spec.stack, self.spec.form, fqn)
         if hit is None:
             return
         if hit.kind == "bucket":
@@ -224,10 +226,21 @@ class _Plan:
     def _plan_object(self, fqn: str) -> None:
         m = SHARD.fullmatch(fqn)
         base = m.group("base") if m else fqn
-        hit = classify(self.spec.stack, "torch_dist", base)
+        hit = classify(self.spec.stack, self.spec.form, base)
         if hit is None or hit.kind == "bucket":
             return
         if self.spec.keep_router and not hit.weight and hit.kind == "axis":
+            return
+        if m is None and hit.kind == "named" and hit.layer_axis is None and self.spec.form == "fsdp_dtensor":
+            # fsdp_dtensor's per-parameter group metadata of an expert: takes its source expert's
+            perm = self.perms.get(resolve_layer(hit, 0, self.num_layers, fqn))
+            if perm is not None:
+                source = hit.group.format(expert=perm[int(hit.expert or 0)])
+                if source not in self.md.state_dict_metadata:
+                    raise InvalidInputError(f"{fqn}: its source {source} is not in the checkpoint")
+                if source != fqn:
+                    self.objects[fqn] = source
+                    self.changed.add(fqn)
             return
         if m is None or hit.kind not in ("axis", "named"):
             raise InvalidInputError(f"{fqn}: a per-expert object whose expert this permutation cannot identify")
@@ -273,13 +286,17 @@ class _Plan:
                 raise InvalidInputError(f"layer {layer}: no expert weights found under stack={self.spec.stack} naming (torch_dist)")
 
 
-def _infer_dcp_num_layers(stack: str, sd_md: Mapping[str, Any]) -> int | None:
+def _infer_dcp_num_layers(stack: str, sd_md: Mapping[str, Any], form: str = "torch_dist") -> int | None:
     """Decoder layers: Megatron stacks them along axis 0 of every ``decoder.layers.*`` tensor;
-    TorchTitan names them ``layers.N.``."""
+    TorchTitan and Megatron FSDP (``fsdp_dtensor``) name them ``layers.N.``."""
     import re
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if form == "fsdp_dtensor":
+        from placement.checkpoint._rules import infer_num_layers
+
+        return infer_num_layers(stack, form, [f for f in sd_md if f.startswith("model.")])
     if stack == "megatron":
         for fqn, item in sd_md.items():
             if fqn.startswith("decoder.layers.") and isinstance(item, TensorStorageMetadata) and len(item.size) >= 1:
@@ -611,7 +628,9 @@ def permute_dcp(
     """Permute a ``torch.distributed.checkpoint`` directory ``src`` into a new directory ``dst``, streamed.
 
     Megatron-Core ``torch_dist`` (``stack="megatron"``; ``metadata.json`` and ``common.pt`` are
-    copied unchanged) or TorchTitan (``stack="torchtitan"``).  Per-expert tensors (weights,
+    copied unchanged), Megatron FSDP's ``fsdp_dtensor`` (``stack="megatron"``, recognised by its
+    ``model.`` names: per-expert entries by name, group metadata objects included) or TorchTitan
+    (``stack="torchtitan"``).  Per-expert tensors (weights,
     router rows, the router's bias and counters, their optimizer moments and master weights, MTP
     layers' too), Megatron's per-expert ``_extra_state`` objects and, with ``bucket_layout``,
     Megatron's ``dp_reshardable`` distributed-optimizer buckets are permuted; everything else is
@@ -686,7 +705,8 @@ def permute_dcp(
 
         layout = read_bucket_layout(bucket_layout)
     tmp = dst.parent / f".{dst.name}.partial"
-    spec = _Spec(str(src), str(tmp), chosen, perms, keep_router, num_layers, layout, int(cache_bytes))
+    form = _megatron_form(src) if chosen == "megatron" else "torch_dist"
+    spec = _Spec(str(src), str(tmp), chosen, perms, keep_router, num_layers, layout, int(cache_bytes), form)
     plan = _plan_for(spec)  # refuses what it cannot permute, before anything is written
     plan.check_complete()
     stats = stats if stats is not None else DcpStats()
@@ -751,6 +771,13 @@ def permute_dcp(
         _finalize(src, dst, tmp, files)
         stats.finalized = True
     return stats.changed
+
+
+def _megatron_form(src: Path) -> str:
+    """``fsdp_dtensor`` for Megatron FSDP's checkpoints (``torch.distributed.checkpoint.save`` of
+    ``{"model": ..., "optimizer": ...}``: names under ``model.``), else ``torch_dist``."""
+    md = _read_metadata(src)
+    return "fsdp_dtensor" if any(str(f).startswith("model.") for f in md.state_dict_metadata) else "torch_dist"
 
 
 def _account(stats: DcpStats, result: Mapping[str, Any]) -> None:

@@ -16,8 +16,13 @@ Megatron-Core saves the distributed optimizer's state in one of these layouts
   the router weight's rows are permuted inside its slice.
 - ``fully_reshardable`` / ``fully_sharded_model_space``: model-space tensors
   ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model key>``, permuted like the model.
-- ``fsdp_dtensor`` (Megatron FSDP only): per-parameter DTensors under the parameters' own names;
-  read from source, not run here (Megatron FSDP needs CUDA).
+- ``fsdp_dtensor`` (Megatron FSDP only): a plain ``torch.distributed.checkpoint`` save of
+  ``{"model": ..., "optimizer": ...}``: per-parameter DTensors ``model.module.<name>`` (the FP32
+  main weights), ``optimizer.state.module.module.module.<name>.{exp_avg,exp_avg_sq,step}`` and
+  ``optimizer.param_to_group_meta.<...>.<field>`` objects, experts by global id
+  (``handle_experts_in_state_dict``: ``...local_experts.{e}.``, ``...linear_fc1.weight{e}``, SwiGLU
+  ``weight{e}_w`` / ``_v``).  Recognised by its ``model.`` names and permuted by name; read from
+  source, not run here (Megatron FSDP needs CUDA).
 """
 
 from __future__ import annotations
