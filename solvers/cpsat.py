@@ -162,8 +162,10 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
     rank layout, per setting: ``t_drift = t_contiguous + kept * (t - t_contiguous)``.  The returned
     candidate is the max-min-regret one (:func:`placement.cost.max_min_regret`) in the drift
     scenario; candidates level there (with ``kept`` 0: every map on one rank layout) are decided by
-    their max-min regret on the sampled window, then by the order above.  The choice of rank layout
-    so rests on what holds under drift, the expert map on it on the tokens sampled.
+    their max-min regret on the sampled window, then by the order above.  With ``kept`` 1 (one
+    sampled window, or windows that agree) this is the max-min-regret choice on the sampled window;
+    with ``kept`` 0 (windows whose loads say nothing of each other) the rank layout is chosen on
+    what holds whatever the routing does, the expert map on it on the tokens sampled.
 
     Returns ``{}`` for the byte objectives; else ``predicted_step_time_s`` (mid setting, sampled) of
     what is returned, ``solved_predicted_step_time_s``, ``default_predicted_step_time_s``,

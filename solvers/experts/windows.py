@@ -49,11 +49,11 @@ ROBUST_ROUNDS = 3
 ROBUST_MAX_WEIGHT = 16
 
 #: The share of a fitted expert map's step-time gain (over contiguous experts on the same rank
-#: layout) expected to hold on the next window when the instance has ONE sampled window, so the
-#: drift cannot be measured: 0.  On the trained model's own routing, fitting early and running late
-#: (``real_drift``: the 10 % checkpoint's sampled window, the final model's held-out window) the
-#: slope of the late expert loads on the early ones is 0.007 (:func:`gain_kept` on those two arrays).
-SINGLE_WINDOW_GAIN_KEPT = 0.0
+#: layout) taken to hold on the next window when the instance has ONE sampled window, so its drift
+#: cannot be measured: 1, the sample is trusted (several windows measure it, :func:`gain_kept`).
+#: A prior of 0 (fitting early and running late on a trained model's routing gives a slope of
+#: 0.007) was measured and rejected: docs/experts.md, "The final choice under drift".
+SINGLE_WINDOW_GAIN_KEPT = 1.0
 
 
 def gain_kept(topk: np.ndarray, bounds: Sequence[tuple[int, int]], num_experts: int) -> float:
