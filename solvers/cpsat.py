@@ -151,7 +151,8 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
     packings (:func:`balanced_candidates`: EPLB-style load packing of the expert maps, on the
     solved, the default and the packed rank layout) where the maps may break expert groups; the
     default placement (default layout, contiguous experts); the packed peer layout
-    (:func:`solvers.packed.packed_rank2gpu`) with contiguous experts.  Each is scored by the one
+    (:func:`solvers.packed.packed_rank2gpu`; not under ``layout`` ``fixed``) with contiguous experts.
+    Each is scored by the one
     evaluator (:func:`placement.cost.evaluate`) and the step-time model at the ``low``, ``mid`` and
     ``high`` settings (:func:`placement.cost.setting_step_models`).
 
@@ -198,8 +199,8 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
     rule = options.consumer in ("deepep", "hybridep")
     default_r2g = default_rank2gpu(instance)
     default_ok = not (rule and equal_slices_breaks(instance, default_r2g))
-    packed_r2g = packed_rank2gpu(instance)
-    packed_ok = not (rule and equal_slices_breaks(instance, packed_r2g))
+    packed_r2g = packed_rank2gpu(instance)  # not under --layout fixed, which keeps the default layout
+    packed_ok = options.layout != "fixed" and not (rule and equal_slices_breaks(instance, packed_r2g))
     out: dict = {}
     if not gp:  # balanced packings break expert groups: only where any map is valid
         layouts = [("solved layout", solved_r2g)]
