@@ -290,7 +290,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             alone = ", ".join(f"{s}: {name}" for s, name in check["choice_by_setting"].items())
             print(f"  the choice differs between the model's settings (each alone: {alone}); returned "
                   f"{check['returned']}, the best worst-case ratio to each setting's fastest candidate "
-                  f"({check['candidates'][check['returned']]['worst_ratio']:.3f})")
+                  f"({check['candidates'][check['returned']]['drift_worst_ratio']:.3f})")
         else:
             print(f"  the same choice at every setting of the model ({check['returned']})")
     print("\n".join(_footprint_lines(instance, result)))

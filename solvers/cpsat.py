@@ -143,29 +143,46 @@ def _check_consumer(instance: Instance, rank2gpu: np.ndarray, options: SolveOpti
 def step_time_check(instance: Instance, options: SolveOptions, placement: Placement, layout_info: dict, *,
                     layout_phy2log: np.ndarray | None = None) -> dict:
     """Under ``step_time``: the solved placement against the other candidates, in predicted step time
-    on the sampled window at every setting of the model's uncertain terms, and the robust choice.
+    at every setting of the model's uncertain terms, on the sampled window and in a drift scenario,
+    and the drift-robust choice.
 
     The candidates, in order of preference: the solved placement; when given, the layout's own
-    expert map on the same rank layout; balanced packings (:func:`balanced_candidates`: EPLB-style
-    load packing of the expert maps, on the solved rank layout and on the default one) where the
-    maps may break expert groups; the default placement (default layout, contiguous experts).  Each
-    is scored by the one evaluator (:func:`placement.cost.evaluate`) and the step-time model at the
-    ``low``, ``mid`` and ``high`` settings (:func:`placement.cost.setting_step_models`); the returned
-    one is the max-min-regret choice (:func:`placement.cost.max_min_regret`: the largest worst ratio,
-    over the settings, of the best candidate's step time of that setting to its own).
+    expert map on the same rank layout; the solved rank layout with contiguous experts; balanced
+    packings (:func:`balanced_candidates`: EPLB-style load packing of the expert maps, on the
+    solved, the default and the packed rank layout) where the maps may break expert groups; the
+    default placement (default layout, contiguous experts); the packed peer layout
+    (:func:`solvers.packed.packed_rank2gpu`; not under ``layout`` ``fixed``) with contiguous experts.
+    Each is scored by the one
+    evaluator (:func:`placement.cost.evaluate`) and the step-time model at the ``low``, ``mid`` and
+    ``high`` settings (:func:`placement.cost.setting_step_models`).
 
-    Returns ``{}`` for the byte objectives; else ``predicted_step_time_s`` (mid setting) of what is
-    returned, ``solved_predicted_step_time_s``, ``default_predicted_step_time_s``,
-    ``layout_map_predicted_step_time_s`` (mid), ``candidates`` (per name: step time per setting and
-    worst ratio), ``choice_by_setting`` (the candidate each setting alone would choose),
-    ``choice_differs``, ``fallback_to_default`` and ``returned`` (the chosen candidate's name); unless
-    the solved placement is returned, ``return_placement`` holds the placement to return instead (the
-    caller pops it).  An instance without a ``performance`` block gives ``{"skipped": ...}``; a
-    consumer rule the default layout breaks leaves the default layout's candidates out.
+    Expert maps are fitted to the sampled routing, which drifts: in the drift scenario a candidate
+    keeps only the share ``kept`` (:func:`solvers.experts.windows.gain_kept`: estimated from the
+    sampled windows' own drift, :data:`~solvers.experts.windows.SINGLE_WINDOW_GAIN_KEPT` with one
+    window) of its step-time gain over contiguous experts (a map blind to the routing) on its own
+    rank layout, per setting: ``t_drift = t_contiguous + kept * (t - t_contiguous)``.  The returned
+    candidate is the max-min-regret one (:func:`placement.cost.max_min_regret`) in the drift
+    scenario; candidates level there (with ``kept`` 0: every map on one rank layout) are decided by
+    their max-min regret on the sampled window, then by the order above.  With ``kept`` 1 (one
+    sampled window, or windows that agree) this is the max-min-regret choice on the sampled window;
+    with ``kept`` 0 (windows whose loads say nothing of each other) the rank layout is chosen on
+    what holds whatever the routing does, the expert map on it on the tokens sampled.
+
+    Returns ``{}`` for the byte objectives; else ``predicted_step_time_s`` (mid setting, sampled) of
+    what is returned, ``solved_predicted_step_time_s``, ``default_predicted_step_time_s``,
+    ``layout_map_predicted_step_time_s`` (mid), ``gain_kept``, ``candidates`` (per name: step time
+    per setting and worst ratio, sampled and in the drift scenario), ``choice_by_setting`` (the
+    candidate each setting alone would choose in the drift scenario, then on the sampled window),
+    ``choice_differs``, ``fallback_to_default`` and ``returned`` (the chosen candidate's name);
+    unless the solved placement is returned, ``return_placement`` holds the placement to return
+    instead (the caller pops it).  An instance without a ``performance`` block gives
+    ``{"skipped": ...}``; a consumer rule a peer layout breaks leaves that layout's candidates out.
     """
     if options.objective != "step_time":
         return {}
     from placement.cost import evaluate, max_min_regret, setting_step_models
+    from solvers.experts.windows import gain_kept
+    from solvers.packed import packed_rank2gpu
 
     try:
         models = setting_step_models(instance)
@@ -173,31 +190,54 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
         return {"skipped": "no performance block: step_time fell back to total"}
     gp = bool(options.group_preserving_for(instance)) and instance.model.num_groups > 1
     m = instance.model
+    identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
+    solved_r2g = np.asarray(placement.rank2gpu, dtype=np.int64)
     cands: list[tuple[str, Placement]] = [("solved", placement)]
     if layout_phy2log is not None and not np.array_equal(layout_phy2log, placement.phy2log):
-        cands.append(("layout's expert map", Placement(placement.rank2gpu, np.asarray(layout_phy2log, dtype=np.int64))))
+        cands.append(("layout's expert map", Placement(solved_r2g, np.asarray(layout_phy2log, dtype=np.int64))))
+    cands.append(("solved layout, contiguous experts", Placement(solved_r2g, identity)))
+    rule = options.consumer in ("deepep", "hybridep")
     default_r2g = default_rank2gpu(instance)
-    default_ok = not (options.consumer in ("deepep", "hybridep") and equal_slices_breaks(instance, default_r2g))
+    default_ok = not (rule and equal_slices_breaks(instance, default_r2g))
+    packed_r2g = packed_rank2gpu(instance)  # not under --layout fixed, which keeps the default layout
+    packed_ok = options.layout != "fixed" and not (rule and equal_slices_breaks(instance, packed_r2g))
     out: dict = {}
     if not gp:  # balanced packings break expert groups: only where any map is valid
-        layouts = [("solved layout", placement.rank2gpu)]
-        if default_ok and not np.array_equal(default_r2g, placement.rank2gpu):
+        layouts = [("solved layout", solved_r2g)]
+        if default_ok and not np.array_equal(default_r2g, solved_r2g):
             layouts.append(("default layout", default_r2g))
+        if packed_ok and not any(np.array_equal(packed_r2g, r) for _, r in layouts):
+            layouts.append(("packed layout", packed_r2g))
         cands.extend(balanced_candidates(instance, layouts))
     if default_ok:
-        identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
         cands.append(("default placement", Placement(default_r2g, identity)))
     else:
         out["default_skipped"] = f"the default layout breaks the {options.consumer} rule"
+    if packed_ok:
+        cands.append(("packed layout, contiguous experts", Placement(packed_r2g, identity)))
     seen: dict[tuple[bytes, bytes], dict[str, float]] = {}
-    times: list[dict[str, float]] = []
-    for _, p in cands:
+
+    def step_times(p: Placement) -> dict[str, float]:
         key = (np.asarray(p.rank2gpu).tobytes(), np.asarray(p.phy2log).tobytes())
         if key not in seen:
             metrics = evaluate(instance, p)
             seen[key] = {s: float(model.step_time_s(metrics, p.rank2gpu)) for s, model in models.items()}
-        times.append(seen[key])
-    choice = max_min_regret(times)
+        return seen[key]
+
+    kept = gain_kept(instance.routing.topk, instance.routing.window_bounds(), m.num_experts)
+    times: list[dict[str, float]] = []
+    drift: list[dict[str, float]] = []
+    for _, p in cands:
+        t = step_times(p)
+        ref = step_times(Placement(p.rank2gpu, identity))  # contiguous experts on the same rank layout
+        times.append(t)
+        drift.append({s: ref[s] + kept * (t[s] - ref[s]) for s in t})
+    sampled_choice = max_min_regret(times)
+    drift_choice = max_min_regret(drift)
+    top = max(drift_choice.worst_ratio)
+    level = [i for i, w in enumerate(drift_choice.worst_ratio) if w >= top * (1 - 1e-9)]
+    best_sampled = max(sampled_choice.worst_ratio[i] for i in level)
+    index = next(i for i in level if sampled_choice.worst_ratio[i] >= best_sampled * (1 - 1e-9))
     mid = "mid" if "mid" in times[0] else next(iter(times[0]))
     names = [name for name, _ in cands]
     out["solved_predicted_step_time_s"] = times[0][mid]
@@ -205,15 +245,24 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
                           ("layout's expert map", "layout_map_predicted_step_time_s")):
         if name in names:
             out[out_key] = times[names.index(name)][mid]
-    out["candidates"] = {name: {"predicted_step_time_s": t, "worst_ratio": w}
-                         for name, t, w in zip(names, times, choice.worst_ratio)}
-    out["choice_by_setting"] = {s: names[i] for s, i in choice.best_by_setting.items()}
-    out["choice_differs"] = choice.differs
-    out["predicted_step_time_s"] = times[choice.index][mid]
-    out["returned"] = names[choice.index]
-    out["fallback_to_default"] = names[choice.index] == "default placement"
-    if choice.index:
-        out["return_placement"] = cands[choice.index][1]
+    out["gain_kept"] = kept
+    out["candidates"] = {name: {"predicted_step_time_s": t, "worst_ratio": w,
+                                "drift_step_time_s": d, "drift_worst_ratio": dw}
+                         for name, t, w, d, dw in zip(names, times, sampled_choice.worst_ratio, drift,
+                                                      drift_choice.worst_ratio)}
+
+    def by_setting(s: str) -> int:  # the same rule on one setting alone
+        one_d = max_min_regret([{s: d[s]} for d in drift])
+        lv = [i for i, w in enumerate(one_d.worst_ratio) if w >= max(one_d.worst_ratio) * (1 - 1e-9)]
+        return min(lv, key=lambda i: (times[i][s], i))
+
+    out["choice_by_setting"] = {s: names[by_setting(s)] for s in times[0]}
+    out["choice_differs"] = any(n != names[index] for n in out["choice_by_setting"].values())
+    out["predicted_step_time_s"] = times[index][mid]
+    out["returned"] = names[index]
+    out["fallback_to_default"] = names[index] == "default placement"
+    if index:
+        out["return_placement"] = cands[index][1]
     return out
 
 
@@ -244,8 +293,8 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     if options.objective == "step_time":  # keep the wall time of the step-time check's evaluator runs
         from solvers.layout.plan import EVAL_S_PER_EXPERT_ID
 
-        # up to five candidates, each evaluated once (the settings reuse its metrics)
-        check_s = 5 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
+        # up to nine candidates, each evaluated once (the settings reuse its metrics)
+        check_s = 9 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
         expert_deadline = max(time.monotonic(), deadline - check_s)
     move_plan = None
     if options.moves is not None:  # move-aware re-placement (solvers/experts/moves.py)

@@ -439,3 +439,8 @@ def test_ours_default_mode_predicts_at_least_every_peer_held_out_tflops_at_every
         for setting in SETTINGS:
             key = f"heldout_predicted_tflops_per_gpu_{setting}"
             assert ours.metrics[key] >= peer.metrics[key] * (1 - 1e-9), (name, setting, ours.metrics[key], peer.metrics[key])
+    # the choice was made in the drift scenario, with the packed peer's layout among the candidates
+    check = ours.details["step_time_check"]
+    assert "packed layout, contiguous experts" in check["candidates"]
+    top = max(c["drift_worst_ratio"] for c in check["candidates"].values())
+    assert check["candidates"][check["returned"]]["drift_worst_ratio"] >= top * (1 - 1e-9)
