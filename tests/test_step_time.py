@@ -104,8 +104,8 @@ def test_step_time_check_returns_the_default_when_the_solved_placement_is_slower
     default = Placement(default_rank2gpu(tiny), _identity(tiny))
     default_s = _step_s(tiny, default)
     rng = np.random.default_rng(0)
-    # apply=checkpoint: only the solved and the default placements compete (no balanced packings,
-    # which break expert groups); the runtime default adds those (tests/test_regret.py)
+    # apply=checkpoint: no balanced packings among the candidates (they break expert groups); the
+    # runtime default adds them (tests/test_regret.py)
     opts = SolveOptions(objective="step_time", apply="checkpoint")
     found_slower = False
     for _ in range(20):
