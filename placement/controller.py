@@ -35,7 +35,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,16 +68,9 @@ class CycleLog:
 
 
 def _write_json(path: Path, doc: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from placement.formats import atomic_write_text
+
+    atomic_write_text(path, json.dumps(doc, indent=1))
 
 
 def solve_request(request: dict[str, Any]) -> dict[str, Any]:

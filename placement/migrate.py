@@ -65,7 +65,6 @@ import math
 import os
 import re
 import struct
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -436,18 +435,9 @@ def maps_from_state(state: Mapping[str, Any], where: str = "expert_map") -> dict
 
 def save_map(path: str | os.PathLike[str], maps: Any) -> None:
     """Write :func:`map_state` of ``maps`` to ``path`` atomically (temp file, fsync, ``os.replace``)."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=str(target.parent))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(map_state(maps), f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from placement.formats import atomic_write_text
+
+    atomic_write_text(path, json.dumps(map_state(maps), indent=1) + "\n")
 
 
 def load_map(path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
