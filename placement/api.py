@@ -325,7 +325,10 @@ def solve(
     group_preserving : an explicit override of the expert-map mode (``None``, the default, follows
         ``apply``: group-preserving exactly under ``checkpoint`` and group-limited routing).  True
         restricts a ``runtime`` solve to group-preserving maps; False with ``checkpoint`` under
-        group-limited routing is refused (the checkpoint permutation would change the routing).
+        group-limited routing is refused (the checkpoint permutation would change the routing);
+        False with ``runtime`` fits free maps (by default a ``runtime`` solve under group-limited
+        routing fits group-preserving maps, then weighs free ones in the step-time check:
+        :meth:`solvers.base.SolveOptions.fit_groups_whole`).
     objective : ``step_time`` (default: predicted step time, bytes break ties; ``total`` on an
         instance without a ``performance`` block), ``total`` cross-domain bytes or the
         ``bottleneck`` (slowest stage's busiest NIC).

@@ -252,7 +252,12 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     print(f"{instance.name}: solver {result.solver}, status {result.status}, {result.wall_s:.1f} s wall")
     apply_mode = result.params.get("apply")
     if apply_mode is not None:
-        maps = "group-preserving" if result.params.get("group_preserving") else "free"
+        if result.params.get("group_preserving"):
+            maps = "group-preserving"
+        elif result.params.get("fit_groups_whole") and instance.model.group_limited:
+            maps = "free (fitted with expert groups whole, then any map weighed)"
+        else:
+            maps = "free"
         print(f"  expert maps {maps}, applied at {apply_mode} "
               f"({'placement.runtime hooks, keep-router checkpoint' if apply_mode == 'runtime' else 'checkpoint renumbering'})")
     if result.bound_bytes is not None:
@@ -635,10 +640,11 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--group-preserving", default="auto", choices=("auto", "on", "off"),
                     help="deprecated override of the expert-map mode: auto (default) follows --apply "
                          "(group-preserving exactly with checkpoint under group-limited routing); on restricts "
-                         "any solve to group-preserving maps; off = free maps (refused with --apply checkpoint "
-                         "under group-limited routing)")
+                         "any solve to group-preserving maps; off = fit free maps (refused with --apply checkpoint "
+                         "under group-limited routing; by default a runtime solve under group-limited routing fits "
+                         "group-preserving maps, then weighs free ones)")
     so.add_argument("--free", dest="group_preserving", action="store_const", const="off",
-                    help="deprecated: same as --group-preserving off (free maps, the default of --apply runtime)")
+                    help="deprecated: same as --group-preserving off (fit free maps)")
     so.add_argument("--objective", default="step_time", choices=OBJECTIVES,
                     help="step_time (default): fastest predicted step (the performance model on the evaluator's "
                          "metrics, bytes break ties; total when the instance has no performance block); total: fewest cross-domain bytes with no stage slower than the default layout's "

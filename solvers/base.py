@@ -161,6 +161,36 @@ class SolveOptions:
             return group_preserving_default(instance, self.apply)
         return self.group_preserving
 
+    def fit_groups_whole(self, instance: Instance) -> bool:
+        """Whether the expert search fits group-preserving maps: always where they are required
+        (:meth:`group_preserving_for`), and by default under group-limited routing even where any map
+        is valid (``apply`` ``runtime``); an explicit ``group_preserving=False`` fits free maps.
+
+        Under group-limited routing the expert groups are the co-activation structure the router
+        keeps in every window; which experts of a group run hot and which fire together drifts
+        with training.  Free maps fitted to one window's co-activation lose on a later window what
+        they gained when the routing drifts far (docs/experts.md, "Which maps the search fits").
+        With one sampled window the drift cannot be measured and groups are fitted whole; with
+        several, free maps are fitted when the windows' own drift keeps at least
+        :data:`solvers.experts.windows.FREE_FIT_MIN_GAIN_KEPT` of a fitted gain
+        (:func:`solvers.experts.windows.gain_kept`).  The step-time check still weighs free
+        candidates (balanced packings, the solved map rebalanced inside each domain) where any
+        map is valid.
+        """
+        if self.group_preserving is not None:
+            return bool(self.group_preserving)
+        if group_preserving_default(instance, self.apply):
+            return True
+        if not instance.model.group_limited:
+            return False
+        # Several sampled windows measure the drift: free fits where their gain holds.
+        from solvers.experts.windows import FREE_FIT_MIN_GAIN_KEPT, gain_kept
+
+        bounds = instance.routing.window_bounds()
+        if len(bounds) < 2:
+            return True
+        return gain_kept(instance.routing.topk, bounds, instance.model.num_experts) < FREE_FIT_MIN_GAIN_KEPT
+
     def apply_for(self, instance: Instance) -> Apply:
         """How this solve's maps are applied: :attr:`apply`, else the instance's, else ``runtime``."""
         return resolve_apply(instance, self.apply)

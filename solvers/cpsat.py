@@ -284,7 +284,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     t0 = time.monotonic()
     rank2gpu, layout_info, layout_phy2log, layout_cut = choose_rank2gpu(instance, options, deadline=deadline)
     _check_consumer(instance, rank2gpu, options)
-    gp = bool(options.group_preserving_for(instance))
+    gp = bool(options.fit_groups_whole(instance))
     if options.objective == "bottleneck":
         log.warning("cpsat: the expert maps minimise total cross-domain bytes; --objective %s only "
                     "steers the rank layout", options.objective)
@@ -326,7 +326,8 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
         "layout": options.layout,
         "layout_source": layout_info["source"],
         "consumer": options.consumer,
-        "group_preserving": gp,
+        "group_preserving": bool(options.group_preserving_for(instance)),
+        "fit_groups_whole": gp,
         "apply": options.apply_for(instance),
         "objective": options.objective,
         "num_workers": int(options.num_workers),

@@ -261,8 +261,14 @@ def test_checkpoint_apply_solves_group_preserving_maps_and_refuses_free_ones(tin
         placement.solve(tiny, time_limit_s=10, num_workers=1, apply="offline")  # type: ignore[arg-type]
 
 
-def test_fixed_layout_solves_free_maps_by_default(tiny):
+def test_fixed_layout_fits_groups_whole_by_default_and_free_when_asked(tiny):
+    """Any map is valid (apply runtime), but with one sampled window under group-limited routing the
+    search fits group-preserving maps; ``group_preserving=False`` fits free ones."""
     import placement
 
     result = placement.solve(tiny, solver="cpsat", time_limit_s=20, seed=0, num_workers=1, layout="fixed")
-    assert result.details["group_preserving"] is False
+    assert result.details["group_preserving"] is True
+    assert result.params["group_preserving"] is False and result.params["fit_groups_whole"] is True
+    free = placement.solve(tiny, solver="cpsat", time_limit_s=20, seed=0, num_workers=1, layout="fixed",
+                           group_preserving=False)
+    assert free.details["group_preserving"] is False and free.params["fit_groups_whole"] is False

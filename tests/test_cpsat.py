@@ -56,14 +56,19 @@ def test_cpsat_on_tiny_is_valid_scored_by_the_evaluator_and_bounded(tiny, mode):
 @pytest.mark.parametrize("apply", ["checkpoint", "runtime"])
 def test_cpsat_with_the_rank_layout_search_is_valid_and_scored(tiny, apply):
     """Applied by a checkpoint permutation, maps keep groups whole (group-limited routing); applied
-    at run time (the default) they may break them, and the result says which it is."""
+    at run time (the default) they may break them (the step-time check weighs free candidates), and
+    the result says which it is."""
     result = placement.solve(tiny, solver="cpsat", time_limit_s=20, seed=0, num_workers=1, apply=apply)
     assert check(tiny, result.placement) == []
     assert result.objective_bytes == pytest.approx(result.metrics["cross_domain_bytes_per_step"], rel=1e-12)
     keeps = _keeps_groups(result.placement.phy2log, tiny.model.num_experts, tiny.model.num_groups)
-    assert result.group_preserving == (apply == "checkpoint")
+    assert result.group_preserving == keeps
+    assert result.params["group_preserving"] == (apply == "checkpoint")
+    assert result.params["fit_groups_whole"] is True  # one sampled window: groups fitted whole either way
+    candidates = result.details["step_time_check"]["candidates"]
     if apply == "checkpoint":
         assert keeps
+        assert not any("rebalanced" in name or "balanced packing" in name for name in candidates)
 
 
 def test_group_preservation_off_is_reported_truthfully(tiny):

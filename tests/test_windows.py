@@ -347,3 +347,33 @@ def test_import_cuts_the_fit_steps_into_time_ordered_windows(tmp_path, capsys):
         import_instance("megatron", paths, **sec, heldout_steps=2, windows=6)
     with pytest.raises(InvalidInputError, match="--windows"):
         import_instance("megatron", paths, **sec, windows=0)
+
+
+# -- which maps the search fits (SolveOptions.fit_groups_whole) --------------------------------------
+def test_fit_groups_whole_follows_the_measured_drift(tiny):
+    """Under group-limited routing with any map valid: one window fits groups whole; two windows
+    that repeat each other (gain kept 1) fit free maps; two windows whose loads disagree (gain kept 0)
+    fit groups whole; an explicit choice wins; without group-limited routing, free."""
+    from solvers.experts.windows import FREE_FIT_MIN_GAIN_KEPT, gain_kept
+
+    opts = SolveOptions(apply="runtime")
+    assert tiny.model.group_limited and opts.fit_groups_whole(tiny)
+    t = np.asarray(tiny.routing.topk)
+    same = dataclasses.replace(tiny, routing=Routing(np.concatenate([t, t], axis=2), None,
+                                                     window_tokens=(t.shape[2], t.shape[2])))
+    assert gain_kept(same.routing.topk, same.routing.window_bounds(), 16) == 1.0
+    assert not opts.fit_groups_whole(same)
+    # The second window: every expert relabelled inside its group by a per-layer rotation that
+    # makes its loads say nothing of the first's (flat within groups after averaging).
+    E, G = tiny.model.num_experts, tiny.model.num_groups
+    gs = E // G
+    flipped = (t // gs) * gs + (gs - 1 - t % gs)  # hot experts of a group become its cold ones
+    other = dataclasses.replace(tiny, routing=Routing(np.concatenate([t, flipped.astype(t.dtype)], axis=2), None,
+                                                      window_tokens=(t.shape[2], t.shape[2])))
+    kept = gain_kept(other.routing.topk, other.routing.window_bounds(), E)
+    assert kept < FREE_FIT_MIN_GAIN_KEPT
+    assert opts.fit_groups_whole(other)
+    assert not SolveOptions(apply="runtime", group_preserving=False).fit_groups_whole(tiny)
+    assert SolveOptions(apply="checkpoint").fit_groups_whole(same)  # required there, whatever the drift
+    ungrouped = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, num_groups=1, groups_per_token=1))
+    assert not opts.fit_groups_whole(ungrouped)

@@ -443,7 +443,7 @@ def place_experts(
     L, E = model.num_moe_layers, model.num_experts
     rank2gpu = np.asarray(rank2gpu, dtype=np.int64)
     todo = _check_request(instance, rank2gpu, layers)
-    gp = bool(options.group_preserving_for(instance)) and model.num_groups > 1
+    gp = bool(options.fit_groups_whole(instance)) and model.num_groups > 1
     if class_tolerance is None:
         class_tolerance = CLASS_LOAD_TOLERANCE_GROUP_PRESERVING if gp else CLASS_LOAD_TOLERANCE
     if hint_phy2log is not None:

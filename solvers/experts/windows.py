@@ -37,7 +37,7 @@ import numpy as np
 
 from solvers.experts.problem import LayerProblem, NetSet, _split_nets, net_crossings
 
-__all__ = ["FITS", "ROBUST_ROUNDS", "SINGLE_WINDOW_GAIN_KEPT", "gain_kept", "window_parts", "merge_nets", "window_costs", "robust_value",
+__all__ = ["FITS", "ROBUST_ROUNDS", "SINGLE_WINDOW_GAIN_KEPT", "FREE_FIT_MIN_GAIN_KEPT", "gain_kept", "window_parts", "merge_nets", "window_costs", "robust_value",
            "part_windows", "robust_search"]
 
 #: The fit objectives over several sampled windows (``SolveOptions.fit``).
@@ -54,6 +54,13 @@ ROBUST_MAX_WEIGHT = 16
 #: A prior of 0 (fitting early and running late on a trained model's routing gives a slope of
 #: 0.007) was measured and rejected: docs/experts.md, "The final choice under drift".
 SINGLE_WINDOW_GAIN_KEPT = 1.0
+
+#: Under group-limited routing with ``apply`` ``runtime`` the expert search fits free maps only when
+#: several sampled windows show at least this share of a fitted gain carrying over
+#: (:func:`gain_kept`); otherwise, and always with one window, it fits group-preserving maps
+#: (:meth:`solvers.base.SolveOptions.fit_groups_whole`).  Between two windows of one trained model
+#: the share is 0.89 (``real_ep64``), between its 10 % and 50 % checkpoints 0.026 (``real_robust``).
+FREE_FIT_MIN_GAIN_KEPT = 0.5
 
 
 def gain_kept(topk: np.ndarray, bounds: Sequence[tuple[int, int]], num_experts: int) -> float:

@@ -167,7 +167,7 @@ class LayoutPlanner:
             self.objective = "total"
         self.pass_prefix = ""
         self.equal_only = self.consumer in ("deepep", "hybridep")
-        self.gp = options.group_preserving_for(instance)
+        self.gp = options.fit_groups_whole(instance)
         self.blocks = layout_blocks(instance)
         self.free = free_per_domain(instance)
         self.scorer = BlockScorer(instance, group_preserving=self.gp)
