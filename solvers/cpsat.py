@@ -146,7 +146,9 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
     at every setting of the model's uncertain terms, on the sampled window and in a drift scenario,
     and the drift-robust choice.
 
-    The candidates, in order of preference: the solved placement; when given, the layout's own
+    The candidates, in order of preference: the solved placement; where any map is valid, the
+    solved map with each domain's experts re-packed onto its GPUs by load
+    (:func:`solvers.experts.balance.rebalanced_within_domains`: the same cross-domain bytes); when given, the layout's own
     expert map on the same rank layout; the solved rank layout with contiguous experts; balanced
     packings (:func:`balanced_candidates`: EPLB-style load packing of the expert maps, on the
     solved, the default and the packed rank layout) where the maps may break expert groups; the
@@ -193,6 +195,12 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
     identity = np.tile(np.arange(m.num_experts, dtype=np.int64), (m.num_moe_layers, 1))
     solved_r2g = np.asarray(placement.rank2gpu, dtype=np.int64)
     cands: list[tuple[str, Placement]] = [("solved", placement)]
+    if not gp:  # any map is valid: the solved map with each domain's experts re-packed by load
+        from solvers.experts.balance import rebalanced_within_domains
+
+        rebalanced = rebalanced_within_domains(instance, solved_r2g, placement.phy2log)
+        if not np.array_equal(rebalanced, placement.phy2log):
+            cands.append(("solved, rebalanced within domains", Placement(solved_r2g, rebalanced)))
     if layout_phy2log is not None and not np.array_equal(layout_phy2log, placement.phy2log):
         cands.append(("layout's expert map", Placement(solved_r2g, np.asarray(layout_phy2log, dtype=np.int64))))
     cands.append(("solved layout, contiguous experts", Placement(solved_r2g, identity)))
@@ -293,8 +301,8 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     if options.objective == "step_time":  # keep the wall time of the step-time check's evaluator runs
         from solvers.layout.plan import EVAL_S_PER_EXPERT_ID
 
-        # up to nine candidates, each evaluated once (the settings reuse its metrics)
-        check_s = 9 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
+        # up to ten candidates, each evaluated once (the settings reuse its metrics)
+        check_s = 10 * EVAL_S_PER_EXPERT_ID * float(np.prod(instance.routing.topk.shape))
         expert_deadline = max(time.monotonic(), deadline - check_s)
     move_plan = None
     if options.moves is not None:  # move-aware re-placement (solvers/experts/moves.py)

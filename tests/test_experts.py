@@ -294,6 +294,25 @@ def test_balancing_meets_the_gpu_tolerance_when_loads_allow_and_keeps_classes():
     assert ratio <= rank_load_ratio(problem, np.arange(problem.num_experts))
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), pp=st.sampled_from([1, 2]), domains=st.sampled_from([2, 3]))
+def test_rebalancing_within_domains_keeps_the_cross_domain_bytes_and_never_raises_the_load(seed, pp, domains):
+    from solvers.experts.balance import rebalanced_within_domains
+
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=16, top_k=3, ep=4, dp=4, pp=pp, num_domains=domains,
+                           trays_per_domain=2, gpus_per_tray=2, tokens=40, moe_layers=2)
+    start = random_placement(rng, inst)
+    out = Placement(start.rank2gpu, rebalanced_within_domains(inst, start.rank2gpu, start.phy2log))
+    E = inst.model.num_experts
+    assert all(np.array_equal(np.sort(row), np.arange(E)) for row in out.phy2log)
+    assert check(inst, out) == []
+    before, after = evaluate(inst, start), evaluate(inst, out)
+    assert np.allclose(after.cross_domain_bytes_per_layer, before.cross_domain_bytes_per_layer, rtol=1e-12)
+    assert np.all(np.asarray(after.expert_load_max_over_mean_per_layer)
+                  <= np.asarray(before.expert_load_max_over_mean_per_layer) + 1e-9)
+
+
 def test_transport_optimum_is_the_brute_force_optimum_and_the_lp_bounds_it():
     rng = np.random.default_rng(13)
     inst, r2g = _straddling(rng, num_experts=8, top_k=3, ep=4, dp=4, pp=1, num_domains=3, trays_per_domain=2,

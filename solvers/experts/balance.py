@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from placement.model import Instance
 from solvers.experts.problem import LayerProblem, group2type_of
 from solvers.kernels import lpt_pack
 
-__all__ = ["balance_ranks", "rank_load_ratio", "rank_load_floor", "layer_bins"]
+__all__ = ["balance_ranks", "rank_load_ratio", "rank_load_floor", "layer_bins", "rebalanced_within_domains"]
 
 
 def _position_assignment(problem: LayerProblem, expert2class: np.ndarray) -> np.ndarray:
@@ -151,4 +152,46 @@ def rank_load_ratio(problem: LayerProblem, expert2slot: np.ndarray) -> float:
         per_rank = np.bincount(r, weights=problem.load[g], minlength=problem.ep)
         if per_rank.mean() > 0:
             out = max(out, float(per_rank.max() / per_rank.mean()))
+    return out
+
+
+def rebalanced_within_domains(instance: Instance, rank2gpu: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
+    """(num_moe_layers, E) ``phy2log`` with every expert kept in its class (the EP ranks that share
+    an NVLink domain in every EP group of the stage) and each class's experts re-balanced over its
+    ranks by :func:`balance_ranks` on a free-map problem (the bins are whole classes).
+
+    Under the ``per_domain`` cost the cross-domain bytes do not change (no expert changes domain);
+    the busiest GPU's load can only fall or stay, on the sampled tokens (a layer that re-balancing
+    does not improve keeps its map).  The maps may split expert
+    groups over ranks: valid where any map is (``apply`` ``runtime``).
+
+    Examples
+    --------
+    >>> from placement.instances import SPECS, build
+    >>> from solvers.default import default_rank2gpu
+    >>> inst = build(SPECS["tiny"])
+    >>> ident = np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1))
+    >>> out = rebalanced_within_domains(inst, default_rank2gpu(inst), ident)
+    >>> bool((np.sort(out, axis=1) == ident).all())
+    True
+    """
+    from placement.cost import LayoutIndex
+    from solvers.experts.problem import build_layer_problem
+
+    rank2gpu = np.asarray(rank2gpu, dtype=np.int64)
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    epr = instance.experts_per_rank
+    layout = LayoutIndex(instance, rank2gpu, instance.routing.topk.shape[2])
+    out = np.empty_like(phy2log)
+    for li in range(instance.model.num_moe_layers):
+        problem = build_layer_problem(instance, rank2gpu, li, group_preserving=False, validation_fraction=0.0,
+                                      layout=layout)
+        expert2class = np.empty(problem.num_experts, dtype=np.int64)
+        expert2class[phy2log[li]] = problem.slot2class
+        slots = balance_ranks(problem, expert2class)
+        # LPT with swaps is a heuristic: a layer it does not improve keeps its map.
+        if rank_load_ratio(problem, slots) < rank_load_ratio(problem, np.argsort(phy2log[li])):
+            out[li] = np.argsort(slots)
+        else:
+            out[li] = phy2log[li]
     return out
