@@ -260,6 +260,10 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             maps = "free"
         print(f"  expert maps {maps}, applied at {apply_mode} "
               f"({'placement.runtime hooks, keep-router checkpoint' if apply_mode == 'runtime' else 'checkpoint renumbering'})")
+        if (result.params.get("fit_groups_whole") and not result.params.get("group_preserving")
+                and instance.model.group_limited and instance.routing.num_windows == 1):
+            print("  one sampled window, so its drift is unmeasured: groups fitted whole (--free fits the "
+                  "sample's co-activation, for a recent sample; record several windows to measure)")
     if result.bound_bytes is not None:
         print(f"  objective {_gb(result.objective_bytes)}, bound {_gb(result.bound_bytes)}, gap {100 * (result.gap or 0):.1f}%")
     if instance.routing.num_windows > 1:  # several sampled windows: say how the expert maps used them
