@@ -254,14 +254,14 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     if apply_mode is not None:
         if result.params.get("group_preserving"):
             maps = "group-preserving"
-        elif result.params.get("fit_groups_whole") and instance.model.group_limited:
+        elif result.params.get("fit_groups_whole"):  # only under group-limited routing (fit_groups_whole)
             maps = "free (fitted with expert groups whole, then any map weighed)"
         else:
             maps = "free"
         print(f"  expert maps {maps}, applied at {apply_mode} "
               f"({'placement.runtime hooks, keep-router checkpoint' if apply_mode == 'runtime' else 'checkpoint renumbering'})")
         if (result.params.get("fit_groups_whole") and not result.params.get("group_preserving")
-                and instance.model.group_limited and instance.routing.num_windows == 1):
+                and instance.routing.num_windows == 1):
             print("  one sampled window, so its drift is unmeasured: groups fitted whole (--free fits the "
                   "sample's co-activation, for a recent sample; record several windows to measure)")
     if result.bound_bytes is not None:

@@ -162,8 +162,8 @@ def rebalanced_within_domains(instance: Instance, rank2gpu: np.ndarray, phy2log:
 
     Under the ``per_domain`` cost the cross-domain bytes do not change (no expert changes domain);
     the busiest GPU's load can only fall or stay, on the sampled tokens (a layer that re-balancing
-    does not improve keeps its map).  The maps may split expert
-    groups over ranks: valid where any map is (``apply`` ``runtime``).
+    does not improve keeps its map).  The maps may split expert groups over ranks: valid where
+    any map is (``apply`` ``runtime``).
 
     Examples
     --------
@@ -180,7 +180,6 @@ def rebalanced_within_domains(instance: Instance, rank2gpu: np.ndarray, phy2log:
 
     rank2gpu = np.asarray(rank2gpu, dtype=np.int64)
     phy2log = np.asarray(phy2log, dtype=np.int64)
-    epr = instance.experts_per_rank
     layout = LayoutIndex(instance, rank2gpu, instance.routing.topk.shape[2])
     out = np.empty_like(phy2log)
     for li in range(instance.model.num_moe_layers):
