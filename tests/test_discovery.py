@@ -349,14 +349,15 @@ def _cluster(tmp_path, capsys, source: str, inputs: list[str], *flags: str) -> t
     return code, (json.loads(out.read_text()) if out.exists() else None), err
 
 
-@pytest.mark.parametrize("fault", [IN_PROGRESS, INSUFFICIENT], ids=["in-progress", "insufficient-resources"])
-def test_nvidia_smi_host_without_a_registered_gpu_is_an_error_or_left_out(tmp_path, capsys, fault):
+@pytest.mark.parametrize("fault,kind", [(IN_PROGRESS, "registration not finished"), (INSUFFICIENT, "registration failed")],
+                         ids=["in-progress", "insufficient-resources"])
+def test_nvidia_smi_host_without_a_registered_gpu_is_an_error_or_left_out(tmp_path, capsys, fault, kind):
     hosts = {"gb001": (OK,) * 4, "gb002": (fault,) * 4, "gb003": (OK,) * 4, "gb004": (OK,) * 4, "gb005": (fault,) * 4}
     files = _smi_cluster(tmp_path, hosts)
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
     assert code == 2 and doc is None and len(err) == 1, err
     assert "host gb002" in err[0] and "gb002.txt:" in err[0] and "--skip-unready" in err[0] and "(and 1 more)" in err[0]
-    assert f"State {fault[0]}" in err[0] and UUID_ZERO + ".0" not in err[0]
+    assert f"Fabric State {fault[0]}, Status {fault[1]}" in err[0] and f"({kind})" in err[0] and UUID_ZERO + ".0" not in err[0]
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files, "--skip-unready")
     assert code == 0 and doc is not None
     warnings = [line for line in err if line.startswith("placement: warning: left out:")]
@@ -390,6 +391,8 @@ def test_nvidia_smi_unhealthy_on_every_gpu_is_a_down_host_in_its_domain(tmp_path
     hosts = {"gb001": (OK,) * 4, "gb002": (UNHEALTHY,) * 4}
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", _smi_cluster(tmp_path, hosts))
     assert code == 0 and doc["hosts"] == [["gb001", "gb002"]] and doc["unavailable_trays"] == [[0, 1]]
+    texts = [(h, h, (tmp_path / f"{h}.txt").read_text()) for h in hosts]
+    assert parse_nvidia_smi(texts).faulty == {"gb002": "4 of 4 GPUs unusable; GPU 0: Fabric Health Summary Unhealthy"}
 
 
 def test_nvidia_smi_health_fields_r570_without_summary():
@@ -399,7 +402,7 @@ def test_nvidia_smi_health_fields_r570_without_summary():
     i = [n for n, line in enumerate(lines) if "Route Unhealthy" in line][2]
     lines[i] = lines[i].replace("False", "True")
     found = parse_nvidia_smi([("gb001", "gb001.txt", "".join(lines))])
-    assert found.faulty == {"gb001": "1 of 4 GPUs unusable (GPU 2: fabric health Route Unhealthy True)"}
+    assert found.faulty == {"gb001": "1 of 4 GPUs unusable; GPU 2: Fabric Health Route Unhealthy True"}
     # Limited Capacity (degraded bandwidth alone) stays usable
     healthy = parse_nvidia_smi([("gb001", "gb001.txt", text.replace("Healthy\n", "Limited Capacity\n", 1))])
     assert healthy.faulty == {}
@@ -409,7 +412,7 @@ def test_nvidia_smi_state_na_is_no_fabric_and_bad_fields_exit_2(tmp_path, capsys
     no_fabric = ("N/A", "N/A", "N/A", "N/A", "N/A")  # H100: no NVLink fabric at all
     files = _smi_cluster(tmp_path, {"gb001": (OK,) * 4, "h100-1": (no_fabric,) * 4})
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
-    assert code == 2 and "host h100-1" in err[0] and "not on an NVLink fabric" in err[0], err
+    assert code == 2 and "host h100-1" in err[0] and "(no NVLink fabric)" in err[0], err
     bad = _smi_r580(UUID_A, 1, (OK,) * 4).replace(UUID_A, "5fbd5d29-8d2a", 1)
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", [_write(tmp_path, "gb009.txt", bad)], "--skip-unready")
     assert code == 2 and len(err) == 1 and "gb009" in err[0] and "ClusterUUID" in err[0], err

@@ -108,11 +108,10 @@ def _unhealthy(fab: dict[str, str]) -> bool:
 def _why(fab: dict[str, str]) -> str:
     """Why a GPU is not registered, in the fields that say so."""
     if fab["State"] in ("N/A", "Not Supported"):
-        return f"not on an NVLink fabric (Fabric State {fab['State']})"
-    fields = f"State {fab['State']}, Status {fab['Status']}, CliqueId {fab['CliqueId']}, ClusterUUID {fab['ClusterUUID']}"
-    if fab["State"] != "Completed":
-        return f"fabric registration not finished (Fabric {fields})"
-    return f"not registered in an NVLink fabric (Fabric {fields})"
+        kind = "no NVLink fabric"
+    else:
+        kind = "registration not finished" if fab["State"] != "Completed" else "registration failed"
+    return f"Fabric State {fab['State']}, Status {fab['Status']}, CliqueId {fab['CliqueId']}, ClusterUUID {fab['ClusterUUID']} ({kind})"
 
 
 _PDSH = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*): ?(.*)$")
@@ -168,17 +167,17 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
                 continue
             keys.add((fab["ClusterUUID"].lower(), int(fab["CliqueId"])))
             if _unhealthy(fab):
-                health = fab.get("Health/Summary") or f"Route Unhealthy {fab['Health/Route Unhealthy']}"
-                bad.append(f"GPU {local}: fabric health {health}")
+                health = "Summary Unhealthy" if fab.get("Health/Summary") == "Unhealthy" else "Route Unhealthy True"
+                bad.append(f"GPU {local}: Fabric Health {health}")
         if len(keys) > 1:
             raise InvalidInputError(f"{label}: host {host}: its GPUs are in {len(keys)} NVLink cliques {sorted(keys)}")
         if not keys:
-            unready[host] = f"{label}:{sections[0][0]}: host {host}: no GPU registered in an NVLink fabric ({bad[0]})"
+            unready[host] = f"{label}:{sections[0][0]}: host {host}: no GPU registered in an NVLink fabric; {bad[0]}"
             continue
         gpus[host] = len(sections)
         cliques.setdefault(keys.pop(), []).append(host)
         if bad:
-            faulty[host] = f"{len(bad)} of {len(sections)} GPUs unusable ({bad[0]})"
+            faulty[host] = f"{len(bad)} of {len(sections)} GPUs unusable; {bad[0]}"
     left_out = settle_unready(unready, skip_unready)
     if not gpus and not left_out:
         raise InvalidInputError("nvidia-smi: no host given")
