@@ -369,6 +369,18 @@ def test_nvidia_smi_host_without_a_registered_gpu_is_an_error_or_left_out(tmp_pa
     assert doc["unavailable_trays"] == [] and "2 hosts left out" in doc["description"]
 
 
+def test_api_reports_each_host_left_out_as_one_warning(tmp_path):
+    from placement.discovery import UnreadyHostWarning
+
+    files = _smi_cluster(tmp_path, {"gb001": (OK,) * 4, "gb002": (IN_PROGRESS,) * 4, "gb003": (INSUFFICIENT,) * 4})
+    with pytest.raises(InvalidInputError, match="host gb002.*--skip-unready"):
+        placement.cluster_from_nvidia_smi(files)
+    with pytest.warns(UnreadyHostWarning) as caught:
+        doc = placement.cluster_from_nvidia_smi(files, skip_unready=True)
+    assert [str(w.message).split("host ")[1].split(":")[0] for w in caught] == ["gb002", "gb003"]
+    assert doc["hosts"] == [["gb001"]]
+
+
 def test_nvidia_smi_every_host_unready_leaves_nothing(tmp_path, capsys):
     files = _smi_cluster(tmp_path, {"gb001": (IN_PROGRESS,) * 4, "gb002": (INSUFFICIENT,) * 4})
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files, "--skip-unready")
