@@ -32,7 +32,7 @@ import re
 import shutil
 import subprocess
 
-from placement.discovery.common import Discovered, natural_key, settle_unready
+from placement.discovery.common import Discovered, settle_unready
 from placement.discovery.hostlist import expand_hostlist
 from placement.model import InvalidInputError
 
