@@ -335,13 +335,25 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
                         ("--gpu-hbm-gb", args.gpu_hbm_gb)):
         if not (math.isfinite(value) and value > 0):
             raise InvalidInputError(f"{flag}: expected a positive number, found {value}")
-    if args.source == "slurm":
-        doc = cluster_from_slurm(args.inputs, name=name, gpus_per_node=args.gpus_per_node,
-                                 allow_not_responding=args.allow_not_responding, **links)
-    elif args.source == "kubernetes":
-        doc = cluster_from_kubernetes(args.inputs, name=name, down_taints=args.down_taint or (), **links)
-    else:
-        doc = cluster_from_nvidia_smi(args.inputs, name=name, **links)
+    import warnings
+
+    from placement.discovery import UnreadyHostWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnreadyHostWarning)
+        if args.source == "slurm":
+            doc = cluster_from_slurm(args.inputs, name=name, gpus_per_node=args.gpus_per_node,
+                                     allow_not_responding=args.allow_not_responding, skip_unready=args.skip_unready, **links)
+        elif args.source == "kubernetes":
+            doc = cluster_from_kubernetes(args.inputs, name=name, down_taints=args.down_taint or (),
+                                          skip_unready=args.skip_unready, **links)
+        else:
+            doc = cluster_from_nvidia_smi(args.inputs, name=name, skip_unready=args.skip_unready, **links)
+    for w in caught:  # one line per host left out
+        if issubclass(w.category, UnreadyHostWarning):
+            print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     write_cluster(args.output, doc)
     print(f"{doc['description']}\n  wrote {args.output}")
     return EXIT_OK
@@ -768,6 +780,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="slurm: count nodes whose slurmd does not answer (NOT_RESPONDING, *) as usable")
     cl.add_argument("--down-taint", action="append", metavar="KEY",
                     help="kubernetes: a NoSchedule/NoExecute taint key that also marks a node down (repeatable)")
+    cl.add_argument("--skip-unready", action="store_true",
+                    help="leave out, with a one-line warning each, hosts whose NVLink domain is not known yet "
+                         "(nvidia-smi: no GPU registered in the fabric; kubernetes: no nvidia.com/gpu.clique label; "
+                         "slurm: in no block or leaf switch) instead of refusing them")
     pl.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
 
     ca = sub.add_parser("calibrate", help="predict measured runs, fit the step-time model on them (docs/performance.md)")
@@ -870,3 +886,7 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
 
 def entry() -> None:
     sys.exit(main(started_at=_process_started_at()))
+
+
+if __name__ == "__main__":  # python -m placement.cli
+    entry()

@@ -109,7 +109,8 @@ def require_whole_groups(phy2log: Any, model: Any, rule: str) -> list[str]:
     breaks = group_breaks(np.asarray(phy2log, dtype=np.int64), model.num_experts, model.num_groups)
     if model.group_limited and breaks:
         raise InfeasibleError(
-            f"{rule}, but {len(breaks)} MoE layer(s) break them (first: {breaks[0]}); solve with --group-preserving on"
+            f"{rule}, but {len(breaks)} MoE layer(s) break them (first: {breaks[0]}); solve with --apply checkpoint "
+            "(expert maps that keep groups whole)"
         )
     return breaks
 

@@ -178,6 +178,41 @@ def test_torchtitan_expert_parallel_chunks_and_mtp_are_assembled_from_their_sour
         assert torch.equal(b[key], want), key
 
 
+def test_a_journal_entry_is_durable_only_after_the_file_it_records(tmp_path, monkeypatch):
+    """A crash must not leave a journal entry (the resume skips its file) for a storage file whose
+    data or rename is not on disk: file fsynced, renamed, its folder fsynced, then the entry written
+    to a temporary, fsynced, renamed and the journal folder fsynced.  Recorded from os.fsync and
+    os.replace (fsync'ed descriptors named through /proc/self/fd, so Linux only)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd")
+    src, layout_path, _ = _write(tmp_path)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b, *args, **kw):
+        events.append(("replace", f"{os.path.realpath(a)} -> {os.path.realpath(b)}"))
+        return real_replace(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ck.permute_dcp(src, tmp_path / "dst", permutation_doc(SMALL, seed=5), bucket_layout=layout_path)
+    monkeypatch.undo()
+    tmp = os.path.realpath(tmp_path / ".dst.partial")
+    entries = [i for i, (kind, what) in enumerate(events) if kind == "replace" and what.endswith(".distcp.json")]
+    assert len(entries) == SMALL.ep
+    for i in entries:
+        temp, entry = events[i][1].split(" -> ")
+        rel = os.path.basename(entry)[: -len(".json")]
+        stored = next(k for k, (kind, what) in enumerate(events) if kind == "replace" and what.endswith(f"-> {tmp}/{rel}"))
+        assert events.index(("fsync", f"{tmp}/{rel}.part")) < stored < events.index(("fsync", tmp), stored) < i
+        assert ("fsync", temp) in events[stored:i]  # the entry's own bytes
+        assert ("fsync", os.path.dirname(entry)) in events[i:]  # and its rename
+
+
 def test_an_interrupted_run_resumes_from_its_journal_and_writes_the_same_bytes(tmp_path, monkeypatch):
     src, layout_path, _ = _write(tmp_path)
     doc = permutation_doc(SMALL, seed=5)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 
 from placement.cli import main
 from tests.conftest import INSTANCES, ROOT
@@ -53,6 +55,19 @@ def test_console_script_runs_as_a_process():
     )
     assert proc.returncode == 0, proc.stderr
     assert "cross-domain all-to-all bytes" in proc.stdout
+
+
+def test_python_m_placement_cli_runs_main():
+    """``python -m placement.cli`` (the module's ``__main__`` guard) runs the CLI: its output and
+    its exit codes, not an import that does nothing and exits 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = [sys.executable, "-m", "placement.cli"]
+    proc = subprocess.run([*run, "evaluate", str(INSTANCES / "tiny.json")], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and "cross-domain all-to-all bytes" in proc.stdout, proc.stderr
+    proc = subprocess.run([*run, "evaluate", "no/such/file.json"], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "placement: error:" in proc.stderr, proc.stderr
 
 
 def test_missing_file_exits_2(capsys):

@@ -140,9 +140,6 @@ def test_slurm_tree_topology_leaf_switches_are_domains():
     assert doc["unavailable_trays"] == [[0, 2], [1, 1], [1, 2]]
 
 
-def test_slurm_fewer_gpus_on_a_node_marks_the_missing_ones():
-    doc = _doc([("topo", BLOCK_TOPOLOGY), ("nodes", _nodes(gres={"gb005": "gpu:2"}, states={}))])
-    assert doc["unavailable_gpus"] == [4 * 4 + 2, 4 * 4 + 3] and doc["unavailable_trays"] == []
 
 
 def test_node_states():
@@ -270,7 +267,8 @@ def test_nvidia_smi_fabric_cliques(tmp_path, capsys):
     doc = json.loads((tmp_path / "c.json").read_text())
     assert doc["domain_names"] == [f"{UUID_A}.1", f"{UUID_A}.2"]
     assert doc["hosts"] == [["gb004", "gb005", "gb006"], ["gb001", "gb002", "gb003"]]
-    assert doc["unavailable_gpus"] == [1 * 4 + 1]  # gb005's second GPU: fabric still in progress
+    # gb005's second GPU: fabric still in progress; one unusable GPU takes the tray (Discovered.tray_down)
+    assert doc["unavailable_gpus"] == [] and doc["unavailable_trays"] == [[0, 1]]
     # the same as one pdsh output with "host: " prefixes
     pdsh = "".join(f"gb{i + 1:03d}: " + line + "\n" for i in range(6) for line in (tmp_path / f"gb{i + 1:03d}.txt").read_text().splitlines())
     assert main(["cluster", "--from", "nvidia-smi", _write(tmp_path, "all.txt", pdsh), "-o", str(tmp_path / "d.json")]) == 0
@@ -289,6 +287,246 @@ def test_parse_nvidia_smi_host_in_two_cliques():
     text = _smi(UUID_A, 1).replace("CliqueId                          : 1", "CliqueId                          : 2", 1)
     with pytest.raises(InvalidInputError, match="gb009"):
         parse_nvidia_smi([("gb009", "gb009.txt", text)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults as the drivers print them (issue 31): fabric not registered, unhealthy GPUs, no device
+# plugin, no clique label, a node with fewer GPUs; --skip-unready
+
+UUID_ZERO = "00000000-0000-0000-0000-000000000000"
+OK = ("Completed", "Success", None, None, "Healthy")  # State, Status, CliqueId, ClusterUUID, Health Summary
+# NVIDIA/gpu-operator#2511: registration still running, no clique yet
+IN_PROGRESS = ("In Progress", "N/A", "N/A", "N/A", "N/A")
+# Azure/azhpc-images#506 (the Fabric block its description quotes): registration failed
+INSUFFICIENT = ("Completed", "Insufficient Resources", "0", UUID_ZERO, "N/A")
+# kubernetes-sigs/dra-driver-nvidia-gpu#626 (nvidia-smi -q | grep -C3 CliqueId): registered, unhealthy
+UNHEALTHY = ("Completed", "Success", None, None, "Unhealthy")
+
+
+def _smi_r580(uuid: str, clique: int, gpus) -> str:
+    """nvidia-smi -q of one GB300 host as driver R580 prints it: per GPU a Fabric section with
+    State, Status, CliqueId, ClusterUUID and a Health subsection (Summary, Bandwidth, Route Recovery
+    in progress, Route Unhealthy, Access Timeout Recovery, Incorrect Configuration).  ``gpus``: per
+    GPU (State, Status, CliqueId, ClusterUUID, Summary), None = the host's ``clique`` / ``uuid``."""
+    head = ("==============NVSMI LOG==============\n\nTimestamp                                 : Wed Dec  2 10:00:00 2026\n"
+            "Driver Version                            : 580.65.06\nCUDA Version                              : 13.0\n\n"
+            f"Attached GPUs                             : {len(gpus)}\n")
+    out = [head]
+    for k, (state, status, cid, cuuid, summary) in enumerate(gpus):
+        bad = summary == "Unhealthy"
+        out.append(
+            f"GPU 00000008:0{k}:00.0\n    Product Name                          : NVIDIA GB300\n"
+            "    Platform Info\n        Chassis Serial Number             : 1821125191000\n"
+            f"        Slot Number                       : {k}\n"
+            "    Fabric\n"
+            f"        State                             : {state}\n"
+            f"        Status                            : {status}\n"
+            f"        CliqueId                          : {clique if cid is None else cid}\n"
+            f"        ClusterUUID                       : {uuid if cuuid is None else cuuid}\n"
+            "        Health\n"
+            f"            Summary                       : {summary}\n"
+            f"            Bandwidth                     : {'N/A' if summary == 'N/A' else 'Full'}\n"
+            f"            Route Recovery in progress    : {'N/A' if summary == 'N/A' else 'False'}\n"
+            f"            Route Unhealthy               : {'N/A' if summary == 'N/A' else bad}\n"
+            f"            Access Timeout Recovery       : {'N/A' if summary == 'N/A' else 'False'}\n"
+            f"            Incorrect Configuration       : {'N/A' if summary == 'N/A' else 'None'}\n"
+            "    Processes                             : None\n\n"
+        )
+    return "".join(out)
+
+
+def _smi_cluster(tmp_path, hosts: dict[str, tuple]) -> list[str]:
+    """One file per host (gb001..), 2 hosts per clique of UUID_A; ``hosts``: name -> its GPUs."""
+    return [_write(tmp_path, f"{h}.txt", _smi_r580(UUID_A, 1 + i // 2, gpus)) for i, (h, gpus) in enumerate(hosts.items())]
+
+
+def _cluster(tmp_path, capsys, source: str, inputs: list[str], *flags: str) -> tuple[int, dict | None, list[str]]:
+    out = tmp_path / "c.json"
+    if out.exists():
+        out.unlink()
+    code = main(["cluster", "--from", source, *inputs, "-o", str(out), *flags])
+    err = capsys.readouterr().err.splitlines()
+    return code, (json.loads(out.read_text()) if out.exists() else None), err
+
+
+@pytest.mark.parametrize("fault,kind", [(IN_PROGRESS, "registration not finished"), (INSUFFICIENT, "registration failed")],
+                         ids=["in-progress", "insufficient-resources"])
+def test_nvidia_smi_host_without_a_registered_gpu_is_an_error_or_left_out(tmp_path, capsys, fault, kind):
+    hosts = {"gb001": (OK,) * 4, "gb002": (fault,) * 4, "gb003": (OK,) * 4, "gb004": (OK,) * 4, "gb005": (fault,) * 4}
+    files = _smi_cluster(tmp_path, hosts)
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
+    assert code == 2 and doc is None and len(err) == 1, err
+    assert "host gb002" in err[0] and "gb002.txt:" in err[0] and "--skip-unready" in err[0] and "(and 1 more)" in err[0]
+    assert f"Fabric State {fault[0]}, Status {fault[1]}" in err[0] and f"({kind})" in err[0] and UUID_ZERO + ".0" not in err[0]
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files, "--skip-unready")
+    assert code == 0 and doc is not None
+    warnings = [line for line in err if line.startswith("placement: warning: left out:")]
+    assert len(warnings) == 2 == len(err) and "host gb002" in warnings[0] and "host gb005" in warnings[1], err
+    # never read as a clique: no domain named after the all-zero UUID
+    # (gb005 was clique 3's only host: that clique is gone with it)
+    assert doc["domain_names"] == [f"{UUID_A}.1", f"{UUID_A}.2"] and UUID_ZERO not in json.dumps(doc)
+    assert doc["hosts"] == [["gb001"], ["gb003", "gb004"]]
+    assert doc["unavailable_trays"] == [] and "2 hosts left out" in doc["description"]
+
+
+def test_api_reports_each_host_left_out_as_one_warning(tmp_path):
+    from placement.discovery import UnreadyHostWarning
+
+    files = _smi_cluster(tmp_path, {"gb001": (OK,) * 4, "gb002": (IN_PROGRESS,) * 4, "gb003": (INSUFFICIENT,) * 4})
+    with pytest.raises(InvalidInputError, match="host gb002.*--skip-unready"):
+        placement.cluster_from_nvidia_smi(files)
+    with pytest.warns(UnreadyHostWarning) as caught:
+        doc = placement.cluster_from_nvidia_smi(files, skip_unready=True)
+    assert [str(w.message).split("host ")[1].split(":")[0] for w in caught] == ["gb002", "gb003"]
+    assert doc["hosts"] == [["gb001"]]
+
+
+def test_nvidia_smi_every_host_unready_leaves_nothing(tmp_path, capsys):
+    files = _smi_cluster(tmp_path, {"gb001": (IN_PROGRESS,) * 4, "gb002": (INSUFFICIENT,) * 4})
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files, "--skip-unready")
+    assert code == 2 and doc is None and "no NVLink domain found (2 hosts left out" in err[-1], err
+
+
+@pytest.mark.parametrize("fault", [IN_PROGRESS, INSUFFICIENT, UNHEALTHY], ids=["in-progress", "insufficient", "unhealthy"])
+def test_nvidia_smi_one_unusable_gpu_downs_its_tray_not_the_cluster_file(tmp_path, capsys, fault):
+    """One GPU of gb002 not usable; its other GPUs say its domain: the file is written, the tray down.
+    (Before: In Progress exited 2; Insufficient Resources read as a second clique; Unhealthy usable.)"""
+    hosts = {"gb001": (OK,) * 4, "gb002": (OK, fault, OK, OK), "gb003": (OK,) * 4, "gb004": (OK,) * 4}
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", _smi_cluster(tmp_path, hosts))
+    assert code == 0 and err == [], err
+    assert doc["hosts"] == [["gb001", "gb002"], ["gb003", "gb004"]] and doc["domain_names"] == [f"{UUID_A}.1", f"{UUID_A}.2"]
+    assert doc["unavailable_trays"] == [[0, 1]] and doc["unavailable_gpus"] == []
+    assert "1 hosts down, 12 GPUs usable" in doc["description"]
+
+
+def test_nvidia_smi_unhealthy_on_every_gpu_is_a_down_host_in_its_domain(tmp_path, capsys):
+    hosts = {"gb001": (OK,) * 4, "gb002": (UNHEALTHY,) * 4}
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", _smi_cluster(tmp_path, hosts))
+    assert code == 0 and doc["hosts"] == [["gb001", "gb002"]] and doc["unavailable_trays"] == [[0, 1]]
+    texts = [(h, h, (tmp_path / f"{h}.txt").read_text()) for h in hosts]
+    assert parse_nvidia_smi(texts).faulty == {"gb002": "4 of 4 GPUs unusable; GPU 0: Fabric Health Summary Unhealthy"}
+
+
+def test_nvidia_smi_health_fields_r570_without_summary():
+    """Drivers before R580 print the Health block without Summary: Route Unhealthy True is unhealthy."""
+    text = _smi_r580(UUID_A, 1, (OK,) * 4)
+    lines = [line for line in text.splitlines(keepends=True) if "Summary" not in line]
+    i = [n for n, line in enumerate(lines) if "Route Unhealthy" in line][2]
+    lines[i] = lines[i].replace("False", "True")
+    found = parse_nvidia_smi([("gb001", "gb001.txt", "".join(lines))])
+    assert found.faulty == {"gb001": "1 of 4 GPUs unusable; GPU 2: Fabric Health Route Unhealthy True"}
+    # Limited Capacity (degraded bandwidth alone) stays usable
+    healthy = parse_nvidia_smi([("gb001", "gb001.txt", text.replace("Healthy\n", "Limited Capacity\n", 1))])
+    assert healthy.faulty == {}
+
+
+def test_nvidia_smi_state_na_is_no_fabric_and_bad_fields_exit_2(tmp_path, capsys):
+    no_fabric = ("N/A", "N/A", "N/A", "N/A", "N/A")  # H100: no NVLink fabric at all
+    files = _smi_cluster(tmp_path, {"gb001": (OK,) * 4, "h100-1": (no_fabric,) * 4})
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
+    assert code == 2 and "host h100-1" in err[0] and "(no NVLink fabric)" in err[0], err
+    bad = _smi_r580(UUID_A, 1, (OK,) * 4).replace(UUID_A, "5fbd5d29-8d2a", 1)
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", [_write(tmp_path, "gb009.txt", bad)], "--skip-unready")
+    assert code == 2 and len(err) == 1 and "gb009" in err[0] and "ClusterUUID" in err[0], err
+
+
+_GPU_STATES = {"ok": OK, "in-progress": IN_PROGRESS, "insufficient": INSUFFICIENT, "unhealthy": UNHEALTHY}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(sorted(_GPU_STATES)), min_size=4, max_size=4), min_size=1, max_size=6))
+def test_nvidia_smi_matches_a_per_gpu_reference(states):
+    """Per host: left out when no GPU is registered (ok or unhealthy), else in its clique and down
+    when any GPU is not ok.  Checked against that rule written out per GPU."""
+    texts = [(f"gb{i + 1:03d}", f"gb{i + 1:03d}.txt", _smi_r580(UUID_A, 1 + i % 2, [_GPU_STATES[g] for g in host]))
+             for i, host in enumerate(states)]
+    found = parse_nvidia_smi(texts, skip_unready=True)
+    left = {f"gb{i + 1:03d}" for i, host in enumerate(states) if not set(host) & {"ok", "unhealthy"}}
+    assert set(found.left_out) == left
+    placed = [(f"gb{i + 1:03d}", 1 + i % 2, host) for i, host in enumerate(states) if f"gb{i + 1:03d}" not in left]
+    assert {h for _, hosts in found.domains for h in hosts} == {h for h, _, _ in placed}
+    for h, cid, host in placed:
+        assert h in dict(found.domains)[f"{UUID_A}.{cid}"]
+        assert (h in found.faulty) == any(g != "ok" for g in host)
+    if placed:
+        doc = cluster_document(found, name="f")
+        down = {doc["hosts"][d][t] for d, t in doc["unavailable_trays"]}
+        assert down == {h for h, _, host in placed if any(g != "ok" for g in host)}
+
+
+def _k8s_bare(name: str, labels: dict, capacity: dict, allocatable: dict) -> dict:
+    """A v1 Node as kubectl get nodes -o json prints it, with the given labels and status."""
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
+            "spec": {}, "status": {"capacity": {"cpu": "144", **capacity}, "allocatable": {"cpu": "144", **allocatable},
+                                   "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_kubernetes_gfd_labels_without_the_device_plugin_have_no_usable_gpus():
+    """GFD has labelled node-01 (gpu.count 4, the clique) but no device plugin published
+    nvidia.com/gpu in its capacity or allocatable: no GPU of it can be requested."""
+    gfd = {"nvidia.com/gpu.count": "4", "nvidia.com/gpu.product": "NVIDIA-GB300", "nvidia.com/gpu.present": "true",
+           "nvidia.com/gpu.clique": f"{UUID_A}.1"}
+    nodes = [_k8s_node("node-00", f"{UUID_A}.1"), _k8s_bare("node-01", gfd, {}, {}), _k8s_node("node-02", f"{UUID_A}.1")]
+    found = parse_kubernetes([("k.json", _k8s(nodes))])
+    assert "device plugin not running" in found.faulty["node-01"]
+    doc = cluster_document(found, name="k")
+    assert doc["hosts"] == [["node-00", "node-01", "node-02"]] and doc["unavailable_trays"] == [[0, 1]]
+    assert "8 GPUs usable" in doc["description"]
+
+
+def test_kubernetes_gpu_node_without_a_clique_label_is_an_error_or_left_out(tmp_path, capsys):
+    nodes = [_k8s_node(f"node-{i:02d}", None if i in (1, 3) else f"{UUID_A}.1") for i in range(4)]
+    path = _write(tmp_path, "k.json", _k8s(nodes))
+    code, doc, err = _cluster(tmp_path, capsys, "kubernetes", [path])
+    assert code == 2 and doc is None and len(err) == 1, err
+    assert "node node-01" in err[0] and "nvidia.com/gpu.clique" in err[0] and "--skip-unready" in err[0], err
+    code, doc, err = _cluster(tmp_path, capsys, "kubernetes", [path], "--skip-unready")
+    assert code == 0 and doc["hosts"] == [["node-00", "node-02"]] and doc["unavailable_trays"] == []
+    assert len(err) == 2 and "node node-01" in err[0] and "node node-03" in err[1] and all("warning" in e for e in err), err
+
+
+def test_slurm_maintenance_as_scontrol_prints_it():
+    """slurm_protocol_defs.c (node_state_flags): NODE_STATE_MAINT prints MAINTENANCE; a node in a
+    maintenance reservation shows State=IDLE+MAINTENANCE+RESERVED."""
+    assert node_state_usable("IDLE+MAINTENANCE+RESERVED") == (False, "MAINTENANCE")
+    doc = _doc([("topo", BLOCK_TOPOLOGY), ("nodes", _nodes(states={"gb002": "IDLE+MAINTENANCE+RESERVED"}))])
+    assert doc["unavailable_trays"] == [[0, 1]]
+
+
+def test_slurm_node_in_no_block_is_left_out_with_the_flag(tmp_path, capsys):
+    topo = _write(tmp_path, "topo.txt", BLOCK_TOPOLOGY.replace("gb[037-053]", "gb[037-051]"))
+    nodes = _write(tmp_path, "nodes.txt", _nodes(states={}))
+    code, doc, err = _cluster(tmp_path, capsys, "slurm", [topo, nodes])
+    assert code == 2 and "node gb052" in err[0] and "(and 1 more)" in err[0] and "--skip-unready" in err[0], err
+    code, doc, err = _cluster(tmp_path, capsys, "slurm", [topo, nodes], "--skip-unready")
+    assert code == 0 and [e.split("node ")[1].split()[0] for e in err] == ["gb052", "gb053"], err
+    assert len(doc["hosts"][2]) == 15 and "2 hosts left out" in doc["description"]
+
+
+# One rule for a host with 2 of its 4 GPUs usable, whatever the source: its whole tray is down
+# (Discovered.tray_down says why: only nvidia-smi can say which GPUs, and launchers start the same
+# number of ranks on every host).  Each case: the same 4 hosts, host 2 with 2 of 4 GPUs usable.
+
+
+def _two_of_four(tmp_path, source: str) -> list[str]:
+    if source == "slurm":  # the Gres count slurmd registered (Gres=gpu:gb300:2)
+        topo = "BlockName=b1 BlockIndex=0 Nodes=gb[001-004] BlockSize=4\n"
+        return [_write(tmp_path, "topo.txt", topo),
+                _write(tmp_path, "nodes.txt", _nodes(4, states={}, gres={"gb002": "gpu:gb300:2(S:0)"}))]
+    if source == "kubernetes":  # the device plugin withdrew two unhealthy GPUs: allocatable 2 of capacity 4
+        return [_write(tmp_path, "k.json", _k8s([_k8s_node(f"gb{i:03d}", f"{UUID_A}.1", allocatable=2 if i == 2 else None)
+                                                 for i in range(1, 5)]))]
+    gpus = {f"gb{i:03d}": (OK, UNHEALTHY, OK, IN_PROGRESS) if i == 2 else (OK,) * 4 for i in range(1, 5)}
+    return [_write(tmp_path, f"{h}.txt", _smi_r580(UUID_A, 1, g)) for h, g in gpus.items()]
+
+
+@pytest.mark.parametrize("source", ["slurm", "kubernetes", "nvidia-smi"])
+def test_two_of_four_gpus_take_the_whole_tray_on_every_source(tmp_path, capsys, source):
+    code, doc, err = _cluster(tmp_path, capsys, source, _two_of_four(tmp_path, source))
+    assert code == 0, err
+    assert [h for hosts in doc["hosts"] for h in hosts] == ["gb001", "gb002", "gb003", "gb004"]
+    assert doc["gpus_per_tray"] == 4 and doc["unavailable_trays"] == [[0, 1]] and doc["unavailable_gpus"] == []
+    assert "1 hosts down, 12 GPUs usable" in doc["description"]
 
 
 # ---------------------------------------------------------------------------------------------

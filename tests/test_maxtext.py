@@ -142,8 +142,14 @@ def test_maxtext_refusals_exit_3(tmp_path):
         maxtext_export(inst, p)
     grouped = maxtext_instance(num_groups=4, groups_per_token=2)
     breaking = Placement(np.arange(8), np.tile([1, 2, 0, 3, 4, 5, 6, 7], (grouped.model.num_moe_layers, 1)))
-    with pytest.raises(InfeasibleError, match="keep groups whole"):
+    with pytest.raises(InfeasibleError, match="keep groups whole") as refused:
         maxtext_export(grouped, breaking)
+    # the advice is the setting that exists (--group-preserving is deprecated), and it works
+    assert "solve with --apply checkpoint" in str(refused.value) and "--group-preserving" not in str(refused.value)
+    import placement
+
+    solved = placement.solve(grouped, apply="checkpoint", time_limit_s=10)
+    assert maxtext_export(grouped, solved.placement)["experts"]
     from dataclasses import replace
 
     interleaved = replace(inst, model=replace(inst.model, num_layers=4, moe_layers=(0, 1, 3)))

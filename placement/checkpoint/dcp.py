@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from placement.checkpoint._entries import _doc_groups
 from placement.checkpoint._rules import BUCKET, SHARD, UNKNOWN_MSG, classify, resolve_layer
+from placement.formats import atomic_write_text
 from placement.model import InvalidInputError
 from placement.permutation import PARAMETER_NAMES, check_permutation, read_expert_permutation
 
@@ -572,9 +573,10 @@ def _permute_file_body(spec: _Spec, rel: str) -> dict[str, Any]:
         fout.flush()
         os.fsync(fout.fileno())
     os.replace(part, tmp / rel)
+    _fsync_dir((tmp / rel).parent)  # the rename is on disk before the journal says the file is done
     result = {"file": rel, "items": records, "bytes_read": cache.bytes_read, "bytes_written": written}
     journal.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_text(journal, json.dumps(result))
+    atomic_write_text(journal, json.dumps(result))  # fsyncs the entry and its folder
     return result
 
 
@@ -595,10 +597,18 @@ def _copy_range(fin: Any, fout: Any, offset: int, length: int) -> None:
         left -= len(data)
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (the discipline of :func:`placement.formats.atomic_write_bytes`)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _run_task(task: tuple[_Spec, str]) -> dict[str, Any]:
@@ -802,7 +812,7 @@ def _open_partial(tmp: Path, manifest: str) -> None:
             return
         raise InvalidInputError(f"{tmp}: a partial output of another permutation; remove it to start again")
     (tmp / JOURNAL).mkdir(parents=True, exist_ok=True)
-    _atomic_text(mark, manifest)
+    atomic_write_text(mark, manifest)
 
 
 def _finalize(src: Path, dst: Path, tmp: Path, files: Sequence[str]) -> None:

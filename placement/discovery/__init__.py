@@ -6,11 +6,16 @@ source's text into a :class:`~placement.discovery.common.Discovered`, which
 :func:`~placement.discovery.common.cluster_document` turns into the cluster file that ``placement
 plan --cluster`` reads, with ``hosts`` (real names per tray) and ``domain_names``.  Formats and
 rules: docs/formats.md, "Cluster files from the scheduler".
+
+A host whose NVLink domain is not known yet (fabric registration not finished, no clique label, in
+no block) is an error naming it; with ``skip_unready=True`` (``placement cluster --skip-unready``)
+it is left out of the file and each such host is reported by one :class:`UnreadyHostWarning`.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,7 +24,9 @@ from placement.discovery.common import (
     DEFAULT_NVLINK_GBPS,
     DEFAULT_SCALEOUT_GBPS,
     Discovered,
+    UnreadyHostWarning,
     cluster_document,
+    natural_key,
     write_cluster,
 )
 from placement.discovery.hostlist import expand_hostlist
@@ -31,6 +38,7 @@ from placement.model import InvalidInputError
 __all__ = [
     "SOURCES",
     "Discovered",
+    "UnreadyHostWarning",
     "cluster_from_slurm",
     "cluster_from_kubernetes",
     "cluster_from_nvidia_smi",
@@ -66,12 +74,20 @@ def _links(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: kw[k] for k in ("nvlink_gbps", "scaleout_gbps", "gpu_hbm_gb", "hbm_reserve_gb") if k in kw}
 
 
+def _document(found: Discovered, name: str, links: dict[str, Any]) -> dict[str, Any]:
+    """The cluster document, after one :class:`UnreadyHostWarning` per host left out."""
+    for host in sorted(found.left_out, key=natural_key):
+        warnings.warn(f"left out: {found.left_out[host]}", UnreadyHostWarning, stacklevel=3)
+    return cluster_document(found, name=name, **_links(links))
+
+
 def cluster_from_slurm(
     inputs: Sequence[str | os.PathLike[str]] = (),
     *,
     name: str = "slurm",
     gpus_per_node: int | None = None,
     allow_not_responding: bool = False,
+    skip_unready: bool = False,
     **links: Any,
 ) -> dict[str, Any]:
     """The cluster file's document from Slurm.
@@ -83,6 +99,8 @@ def cluster_from_slurm(
     gpus_per_node : GPUs of every node when no node output is given.
     allow_not_responding : count nodes whose slurmd does not answer (``NOT_RESPONDING``, ``*``)
         as usable (a plan made while the daemons are stopped); their other states still count.
+    skip_unready : leave out nodes with GPUs in no block or leaf switch (one
+        :class:`UnreadyHostWarning` each) instead of refusing them.
     links : ``nvlink_gbps``, ``scaleout_gbps``, ``gpu_hbm_gb``, ``hbm_reserve_gb`` (defaults:
         GB300 NVL72).
 
@@ -92,25 +110,38 @@ def cluster_from_slurm(
         One line naming the file and line, or the host.
     """
     texts = [(str(p), read_text(p)) for p in inputs] if inputs else slurm_texts()
-    found = parse_slurm(texts, gpus_per_node=gpus_per_node, allow_not_responding=allow_not_responding)
-    return cluster_document(found, name=name, **_links(links))
+    found = parse_slurm(texts, gpus_per_node=gpus_per_node, allow_not_responding=allow_not_responding,
+                        skip_unready=skip_unready)
+    return _document(found, name, links)
 
 
 def cluster_from_kubernetes(
-    inputs: Sequence[str | os.PathLike[str]], *, name: str = "kubernetes", down_taints: Sequence[str] = (), **links: Any
+    inputs: Sequence[str | os.PathLike[str]],
+    *,
+    name: str = "kubernetes",
+    down_taints: Sequence[str] = (),
+    skip_unready: bool = False,
+    **links: Any,
 ) -> dict[str, Any]:
     """The cluster file's document from ``kubectl get nodes -o json`` outputs (see
-    :mod:`placement.discovery.kubernetes` for the labels and what counts as down)."""
+    :mod:`placement.discovery.kubernetes` for the labels and what counts as down).
+    ``skip_unready``: leave out GPU nodes without a clique label (one :class:`UnreadyHostWarning`
+    each) instead of refusing them."""
     if not inputs:
         raise InvalidInputError("kubernetes: give the output of 'kubectl get nodes -o json' as a file")
-    found = parse_kubernetes([(str(p), read_text(p)) for p in inputs], down_taints=tuple(down_taints))
-    return cluster_document(found, name=name, **_links(links))
+    found = parse_kubernetes([(str(p), read_text(p)) for p in inputs], down_taints=tuple(down_taints),
+                             skip_unready=skip_unready)
+    return _document(found, name, links)
 
 
-def cluster_from_nvidia_smi(inputs: Sequence[str | os.PathLike[str]], *, name: str = "nvidia-smi", **links: Any) -> dict[str, Any]:
+def cluster_from_nvidia_smi(
+    inputs: Sequence[str | os.PathLike[str]], *, name: str = "nvidia-smi", skip_unready: bool = False, **links: Any
+) -> dict[str, Any]:
     """The cluster file's document from ``nvidia-smi -q`` outputs, one per host: ``HOST=PATH``, or
     a path whose file name without extension is the host name; or ``pdsh``/``clush`` outputs of
-    several hosts (every line prefixed ``host: ``)."""
+    several hosts (every line prefixed ``host: ``).  ``skip_unready``: leave out hosts none of whose
+    GPUs is registered in an NVLink fabric (one :class:`UnreadyHostWarning` each) instead of
+    refusing them."""
     if not inputs:
         raise InvalidInputError("nvidia-smi: give one 'nvidia-smi -q' output per host (HOST=PATH or HOST.txt)")
     from placement.discovery.nvidia_smi import split_pdsh
@@ -128,4 +159,4 @@ def cluster_from_nvidia_smi(inputs: Sequence[str | os.PathLike[str]], *, name: s
         if not host:
             raise InvalidInputError(f"nvidia-smi: {text!r}: no host name")
         triples.append((host, path, read_text(path)))
-    return cluster_document(parse_nvidia_smi(triples), name=name, **_links(links))
+    return _document(parse_nvidia_smi(triples, skip_unready=skip_unready), name, links)

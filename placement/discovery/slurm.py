@@ -13,12 +13,17 @@ NVLink domains are the topology's racks:
 
 ``scontrol show node`` gives each node's ``State`` and ``Gres`` (``gpu:4``, ``gpu:gb200:4(S:0-1)``).
 A node is unusable when its state's base or any flag says so (DOWN, DRAIN, DRAINED, DRAINING,
-FAIL, FAILING, ERROR, FUTURE, MAINT, NOT_RESPONDING or a ``*`` suffix, POWERED_DOWN, POWERING_DOWN,
-REBOOT_REQUESTED, REBOOT_ISSUED, INVALID_REG, BLOCKED, EXTERNAL); IDLE, ALLOCATED, MIXED, COMPLETING,
-RESERVED, PLANNED and UNKNOWN (the controller has not heard from it since it started) are
-usable: the allocation (``placement solve --allocation``) says which of them the job has.  Any
-other state word is an error naming the node and line, as is a node with GPUs that is in no block
-or switch, a block's node missing from the node list, or a record cut short.
+FAIL, FAILING, ERROR, FUTURE, MAINTENANCE (sinfo's ``maint``), NOT_RESPONDING or a ``*`` suffix,
+POWERED_DOWN, POWERING_DOWN, REBOOT_REQUESTED, REBOOT_ISSUED, INVALID_REG, BLOCKED, EXTERNAL): the
+words of ``node_states`` / ``node_state_flags`` in ``src/common/slurm_protocol_defs.c``
+(SchedMD/slurm @284c3b9), which print a node in a maintenance reservation as
+``IDLE+MAINTENANCE+RESERVED``.  IDLE, ALLOCATED, MIXED, COMPLETING, RESERVED, PLANNED and UNKNOWN
+(the controller has not heard from it since it started) are usable: the allocation (``placement
+solve --allocation``) says which of them the job has.  A node with fewer GPUs than the others is
+down as a whole tray (:meth:`placement.discovery.common.Discovered.tray_down`).  Any other state
+word is an error naming the node and line, as is a block's node missing from the node list, or a
+record cut short; a node with GPUs that is in no block or switch has no known domain: an error
+naming it, or with ``skip_unready`` left out with a warning.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import re
 import shutil
 import subprocess
 
-from placement.discovery.common import Discovered, natural_key
+from placement.discovery.common import Discovered, settle_unready
 from placement.discovery.hostlist import expand_hostlist
 from placement.model import InvalidInputError
 
@@ -239,12 +244,18 @@ def slurm_texts() -> list[tuple[str, str]]:
 
 
 def parse_slurm(
-    texts: list[tuple[str, str]], *, gpus_per_node: int | None = None, allow_not_responding: bool = False
+    texts: list[tuple[str, str]],
+    *,
+    gpus_per_node: int | None = None,
+    allow_not_responding: bool = False,
+    skip_unready: bool = False,
 ) -> Discovered:
     """A :class:`Discovered` cluster from ``(label, text)`` pairs: one topology text (``scontrol
     show topology`` output or ``topology.conf``) and optionally ``scontrol show node`` output.
 
-    Without node output every node is usable with ``gpus_per_node`` GPUs.
+    Without node output every node is usable with ``gpus_per_node`` GPUs.  ``skip_unready``: leave
+    out nodes with GPUs that are in no block or leaf switch (``Discovered.left_out``) instead of
+    refusing them.
     """
     topo: list[tuple[str, str]] = []
     nodes: list[tuple[str, str]] = []
@@ -273,17 +284,15 @@ def parse_slurm(
         for h in hosts:
             if h not in gpus:
                 raise InvalidInputError(f"{t_label}: node {h} of {name!r} is not in {n_label} (truncated?)")
-    strays = sorted((h for h in gpus if h not in where and gpus[h] > 0), key=natural_key)
-    if strays:
-        h = strays[0]
-        raise InvalidInputError(
-            f"{n_label}:{at[h]}: node {h} has {gpus[h]} GPUs but is in no {'block' if plugin == 'block' else 'leaf switch'} "
-            f"of {t_label}" + (f" (and {len(strays) - 1} more)" if len(strays) > 1 else "")
-        )
+    kind = "block" if plugin == "block" else "leaf switch"
+    unready = {h: f"{n_label}:{at[h]}: node {h} has {gpus[h]} GPUs but is in no {kind} of {t_label}"
+               for h in gpus if h not in where and gpus[h] > 0}
+    left_out = settle_unready(unready, skip_unready)
     return Discovered(
         f"{t_label} + {n_label} (topology/{plugin})",
         domains,
         {h: gpus[h] for h in where},
         down_hosts={h: why for h, why in down.items() if h in where},
+        left_out=left_out,
         tray_slots=size,
     )
