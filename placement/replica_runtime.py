@@ -138,6 +138,7 @@ def _grad_of(param: Any, dim_index: int | None) -> Any:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         g = param.grad
+    g = _local(g)  # TorchTitan: the DTensor's local shard (this EP rank's slots), written in place
     return g if dim_index is None else g[dim_index]
 
 
@@ -269,7 +270,8 @@ def install_torchtitan_replicas(model: Any, layers: Mapping[int, Sequence[int] |
     """Install replica dispatch on every ``MoE`` of a TorchTitan model whose router chooses among
     ``E`` experts and whose ``routed_experts`` hold ``P`` slots (``P / ep`` on this EP rank).
 
-    Plain (non-DTensor) routing outputs only: under TP the ids are DTensors and this hook refuses them.
+    Under TP (``full_dtensor``) the hook splits each rank's local shard of the ids and rebuilds the
+    DTensors with their placements (the counts as (P,) partial sums or replicated, as they came).
     """
     import torch
 
@@ -307,13 +309,35 @@ def _titan_pre_hook(layer: int, cnt: Any, table_t: Any, num_experts: int, num_ph
     import torch
 
     def pre_hook(_mod: Any, args: tuple) -> tuple:
-        x, scores, ids, _counts = args
-        if hasattr(ids, "to_local"):
-            raise InvalidInputError(f"layer {layer}: TorchTitan expert ids as a DTensor (TP) are not supported by replicas")
-        flat = ids.reshape(-1)
+        if len(args) != 4:
+            raise InvalidInputError(f"layer {layer}: TorchTitan routed_experts called with {len(args)} positional "
+                                    "arguments, replicas expect (x, scores, expert_ids, num_tokens_per_expert)")
+        x, scores, ids, counts = args
+        ids_local, counts_local = _local(ids), _local(counts)
+        if any(p.is_partial() for p in getattr(ids, "placements", ())):
+            raise InvalidInputError(f"layer {layer}: TorchTitan expert ids as a partial DTensor are not supported")
+        if any(p.is_shard() for p in getattr(counts, "placements", ())):
+            raise InvalidInputError(f"layer {layer}: TorchTitan per-expert counts sharded over experts are not supported")
+        # this rank's tokens in index order (a token's k experts are distinct): the split of _split
+        flat = ids_local.reshape(-1)
         onehot = torch.nn.functional.one_hot(flat, num_experts).bool()
-        slot = _split(onehot, cnt, table_t).gather(1, flat[:, None]).reshape(ids.shape)
-        counts = torch.bincount(slot.reshape(-1), minlength=num_physical).to(_counts.dtype)
-        return x, scores, slot, counts
+        slot = _split(onehot, cnt, table_t).gather(1, flat[:, None]).reshape(ids_local.shape)
+        # replicated counts stay whole; partial-sum counts are this rank's share, as the ids are
+        slot_counts = torch.bincount(slot.reshape(-1), minlength=num_physical).to(counts_local.dtype)
+        return x, scores, _like(ids, slot, ids.shape), _like(counts, slot_counts, (num_physical,))
 
     return pre_hook
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def _like(template: Any, local: Any, shape: Any) -> Any:
+    """``local`` as a DTensor placed like ``template`` (global ``shape``), or itself for a plain tensor."""
+    if not (hasattr(template, "to_local") and hasattr(template, "placements")):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False, shape=tuple(shape),
+                              stride=tuple(local.stride()) if len(shape) == 1 else template.stride())
