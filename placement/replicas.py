@@ -261,10 +261,13 @@ def hottest_on_busiest_rank(base_phy2log: np.ndarray, loads: np.ndarray, ep: int
     """This project's first replica rule: relieve the busiest EP rank, replicas inside its domain first.
 
     Per layer and per redundant slot: find the EP rank with the most tokens (under the static
-    split); take its expert with the most tokens per slot; put one more replica of it on the
-    least-loaded rank that still has a free redundant slot and does not hold it, preferring ranks in
-    the busiest rank's NVLink domain (``rank2domain`` (ep,), None: one domain), so the extra
-    dispatch traffic stays on NVLink.  Ties go to the lowest id (deterministic).
+    split); take its expert with the most tokens per slot whose extra replica fits on a rank with
+    a free redundant slot without making that rank as busy as the busiest one, preferring ranks in
+    the busiest rank's NVLink domain (``rank2domain`` (ep,), None: one domain) so the extra
+    dispatch traffic stays on NVLink, then the lightest.  When no replica relieves the busiest
+    rank (a load already balanced), the slot still has to hold an expert (every rank has ``N / ep``
+    of them): the lightest open rank takes the expert that adds the fewest tokens to it.  Ties go
+    to the lowest id (deterministic).
 
     Parameters
     ----------
@@ -289,18 +292,17 @@ def hottest_on_busiest_rank(base_phy2log: np.ndarray, loads: np.ndarray, ep: int
             busiest = int(np.argmax(rank_load))
             choice = None
             for x in sorted(held[busiest], key=lambda x: (-share[x], x)):
-                open_ranks = [r for r in range(ep) if free[r] > 0 and x not in held[r]]
-                if open_ranks:
-                    choice = (x, min(open_ranks, key=lambda r: (dom[r] != dom[busiest], rank_load[r], r)))
+                added = w[li, x] / (cnt[x] + 1)
+                targets = sorted((r for r in range(ep) if free[r] > 0 and x not in held[r]),
+                                 key=lambda r: (dom[r] != dom[busiest], rank_load[r], r))
+                r_ok = next((r for r in targets if rank_load[r] + added < rank_load[busiest]), None)
+                if r_ok is not None:  # the replica lowers the busiest rank and makes no rank busier than it was
+                    choice = (int(x), r_ok)
                     break
-            if choice is None:  # the busiest rank's experts are everywhere there is room: any open slot
-                x = int(np.argmax(share))
-                open_ranks = [r for r in range(ep) if free[r] > 0 and x not in held[r]]
-                if not open_ranks:
-                    open_ranks = [r for r in range(ep) if free[r] > 0]
-                    x = next(y for y in np.argsort(-share, kind="stable") if any(y not in held[r] for r in open_ranks))
-                    open_ranks = [r for r in open_ranks if x not in held[r]]
-                choice = (int(x), min(open_ranks, key=lambda r: (rank_load[r], r)))
+            if choice is None:  # nothing relieves the busiest rank: the lightest open rank takes the coldest
+                r = min((r for r in range(ep) if free[r] > 0), key=lambda r: (rank_load[r], r))
+                x = min((y for y in range(e) if y not in held[r]), key=lambda y: (w[li, y] / (cnt[y] + 1), y))
+                choice = (int(x), r)
             x, r = choice
             extra[li, r, per_rank - free[r]] = x
             free[r] -= 1
