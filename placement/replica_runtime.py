@@ -337,7 +337,8 @@ def _like(template: Any, local: Any, shape: Any) -> Any:
     """``local`` as a DTensor placed like ``template`` (global ``shape``), or itself for a plain tensor."""
     if not (hasattr(template, "to_local") and hasattr(template, "placements")):
         return local
+    import torch
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False, shape=tuple(shape),
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False, shape=torch.Size(shape),
                               stride=tuple(local.stride()) if len(shape) == 1 else template.stride())
