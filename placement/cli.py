@@ -307,6 +307,11 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     print("\n".join(_footprint_lines(instance, result)))
     if "moves" in result.details:
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
+    if "replicas" in result.details:  # placement/formats_replicas.py; not priced by the evaluator yet
+        rm = result.details["replicas"]["metrics"]
+        print(f"  replicas: {args.redundant_experts} redundant slots per MoE layer (rule {args.replica_rule}), busiest EP "
+              f"rank's tokens / mean (held-out) {rm.get('heldout_rank_load_max_over_mean', float('nan')):.3f} -> "
+              f"{rm.get('heldout_rank_load_max_over_mean_with_replicas', float('nan')):.3f}; not in the metrics above")
     if args.output:
         print(f"  wrote {args.output}")
     return EXIT_OK

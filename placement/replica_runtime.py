@@ -176,8 +176,10 @@ def install_megatron_replicas(model: Any, layers: Mapping[int, Sequence[int] | n
     -------
     InstalledReplicas
         Call :meth:`InstalledReplicas.reduce_grads` after every backward, before the DP gradient
-        reduction.  The new logical routers are initialised by Megatron's own init; load the
-        router weights (``E`` rows) after installing.
+        reduction.  The new logical routers are initialised by Megatron's own init (which draws
+        from torch's random generator); load the router weights (``E`` rows) after installing.
+        Install before wrapping the model in ``DistributedDataParallel`` and building the
+        optimizer, so that both see the logical routers' parameters.
     """
     import torch
 

@@ -197,10 +197,12 @@ def test_cli_solve_refuses_a_count_ep_does_not_divide_in_one_line(tmp_path, caps
 def test_cli_solve_writes_replicas_that_verify_accepts(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["solve", str(INSTANCES / "tiny.json"), "--redundant-experts", "8", "--replica-rule", "eplb",
-                 "--time-limit", "20", "-o", str(out), "-q"]) == 0
+                 "--time-limit", "20", "-o", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["replicas"]["rule"] == "eplb" and "replicas" not in doc["solve"]["details"]
-    capsys.readouterr()
+    printed = capsys.readouterr().out
+    held = doc["replicas"]["metrics"]["heldout_rank_load_max_over_mean_with_replicas"]
+    assert "replicas: 8 redundant slots per MoE layer (rule eplb)" in printed and f"-> {held:.3f}" in printed
     assert main(["verify", str(INSTANCES / "tiny.json"), str(out)]) == 0
     assert "replicas" in capsys.readouterr().out
 
