@@ -305,3 +305,18 @@ def test_sglang_refuses_the_counts_we_refuse(tmp_path, monkeypatch):
             el.compute_initial_expert_location_metadata(None, 0)
         with pytest.raises(InvalidInputError, match="^redundant_experts: "):
             check_redundant_experts(m.num_experts, ep, n)
+
+
+def test_vllm_maps_reproduce_vllms_documented_example():
+    # vLLM's own example (vllm/distributed/eplb/eplb_data/eplb_data.py, EplbData field docs):
+    # 2 MoE layers, 6 physical and 4 logical experts on 3 EP ranks
+    p2l = [[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]]
+    want_l2p = [[[0, 4, -1], [1, 5, -1], [2, -1, -1], [3, -1, -1]],
+                [[0, 2, 4], [3, -1, -1], [1, -1, -1], [5, -1, -1]]]
+    want_count = [[2, 2, 1, 1], [3, 1, 1, 1]]
+    rmap = ReplicaMap(np.array(p2l), num_experts=4, ep=3)
+    assert rmap.log2phy.tolist() == want_l2p and rmap.logcnt.tolist() == want_count
+    doc = ex.vllm_eplb_maps(Placement(np.arange(3), np.array(p2l)), SimpleNamespace(
+        model=SimpleNamespace(num_experts=4, moe_layers=(0, 1)), parallel=SimpleNamespace(ep=3),
+        name="example", sha256=""))
+    assert doc["logical_to_physical_map"] == want_l2p and doc["logical_replica_count"] == want_count
