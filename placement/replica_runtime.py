@@ -81,6 +81,7 @@ class InstalledReplicas:
         self._handles: list[Any] = []
         # layer -> (phy2log numpy (P,), first local slot, [per local slot: list of (param, expert-dim index)])
         self._layers: dict[int, tuple[np.ndarray, int, list[list[tuple[Any, int | None]]]]] = {}
+        self._route: dict[int, tuple[Any, Any]] = {}  # layer -> the (cnt, table_t) device tensors the hooks read
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -127,6 +128,107 @@ class InstalledReplicas:
                     g = _grad_of(p, dim)
                     g.copy_(buf[r, offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
+
+
+    def replan(self, layers: Mapping[int, Sequence[int] | np.ndarray], optimizer: Any = None, group: Any = None,
+               *, copy_optimizer_state: bool = True) -> list[int]:
+        """Re-plan the replicas at a step boundary: slots whose logical expert changes take that
+        expert's weights and optimizer state from its current lowest slot (one all-reduce over
+        ``group``, the EP group by default), and the hooks' tensors are rewritten in place.
+
+        Only redundant slots may change (each rank's first ``E / ep`` slots keep the placement's
+        permutation, which ``placement.migrate`` moves).  ``optimizer``: the torch optimizers whose
+        ``state[param]`` hold each slot's moments (a Megatron-Core ``ChainedOptimizer`` of
+        non-distributed optimizers, or a torch optimizer); Megatron-Core's DistributedOptimizer
+        shards a slot's state by its place in the gradient buffer, which differs between slots,
+        and is refused.  Returns the layers whose map changed.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if group is None and self.stack == "Megatron":
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_expert_model_parallel_group()
+        inner = _torch_optimizers(optimizer)
+        new = replica_maps(layers, self.num_experts)
+        changed = []
+        for layer in self.layers:
+            if layer not in new:
+                continue
+            old_p2l, first, slots = self._layers[layer]
+            p2l = new[layer]
+            if p2l.size != old_p2l.size:
+                raise InvalidInputError(f"layer {layer}: the new replica map has {p2l.size} slots, the model {old_p2l.size}")
+            per_rank = len(slots) if slots else p2l.size
+            redundant_per_rank = (p2l.size - self.num_experts) // (p2l.size // per_rank)
+            base = np.arange(p2l.size) % per_rank < per_rank - redundant_per_rank  # each rank's permutation slots
+            if np.any(p2l[base] != old_p2l[base]):
+                raise InvalidInputError(f"layer {layer}: a re-plan changes only redundant slots; the permutation moves "
+                                        "with placement.migrate")
+            moved = np.flatnonzero(p2l != old_p2l)
+            if not len(moved):
+                continue
+            changed.append(layer)
+            needed = sorted({int(p2l[s]) for s in moved})
+            source = {b: int(np.flatnonzero(old_p2l == b)[0]) for b in needed}
+            parts = [[p.detach()[dim] if dim is not None else p.detach() for p, dim in slot] for slot in slots]
+            states = [[_state_tensors(inner, p) for p, _ in slot] for slot in slots]
+            width = sum(t.numel() for t in parts[0]) + sum(t.numel() for st in states[0] for t in st)
+            buf = torch.zeros(len(needed), width, dtype=torch.float32, device=parts[0][0].device)
+            for k, b in enumerate(needed):
+                i = source[b] - first
+                if 0 <= i < len(slots):
+                    pieces = [t.reshape(-1).float() for t in parts[i]]
+                    pieces += [t.reshape(-1).float() for st in states[i] for t in st]
+                    buf[k] = torch.cat(pieces)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(buf, group=group)
+            with torch.no_grad():
+                for s_ in moved:
+                    i = int(s_) - first
+                    if not 0 <= i < len(slots):
+                        continue
+                    row = buf[needed.index(int(p2l[s_]))]
+                    offset = 0
+                    targets = parts[i] + ([t for st in states[i] for t in st] if copy_optimizer_state else [])
+                    for t in targets:
+                        t.copy_(row[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+                cnt, table_t = self._route[layer]
+                new_cnt, new_table = _slot_table(torch, p2l, self.num_experts, cnt.device)
+                cnt.copy_(new_cnt)
+                table_t.copy_(new_table)
+            self._layers[layer] = (p2l, first, slots)
+        return changed
+
+
+def _torch_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside a Megatron-Core (Chained) optimizer, or ``[optimizer]``."""
+    if optimizer is None:
+        return []
+    chained = getattr(optimizer, "chained_optimizers", None)
+    opts = list(chained) if chained is not None else [optimizer]
+    out = []
+    for o in opts:
+        if hasattr(o, "model_param_group_index_map"):
+            raise InvalidInputError("optimizer: Megatron-Core's DistributedOptimizer shards each slot's state by its "
+                                    "place in the gradient buffer; a replica re-plan needs the non-distributed optimizer")
+        out.append(getattr(o, "optimizer", o))
+    return out
+
+
+def _state_tensors(optimizers: list[Any], param: Any) -> list[Any]:
+    """The FP32 main copy of ``param`` when the optimizer keeps one (Megatron-Core's BF16 optimizer:
+    ``param.main_param``) and its tensor-valued optimizer state (Adam's moments, step), in key order."""
+    main = getattr(param, "main_param", None)
+    key = param if main is None else main
+    out = [] if main is None else [main.detach()]
+    for o in optimizers:
+        state = o.state.get(key)
+        if state:
+            return out + [state[k] for k in sorted(state) if hasattr(state[k], "numel")]
+    return out
 
 
 def _grad_of(param: Any, dim_index: int | None) -> Any:
@@ -205,6 +307,7 @@ def install_megatron_replicas(model: Any, layers: Mapping[int, Sequence[int] | n
                 device = _param_device(torch, router)
                 installed._handles.append(_logical_router(module, num_experts, device))
                 cnt, table_t = _slot_table(torch, p2l, num_experts, device)
+                installed._route[layer] = (cnt, table_t)
                 installed._handles.append(_wrap_route(module, cnt, table_t, p2l.size))
                 local = list(module.local_expert_indices)
                 installed._layers[layer] = (p2l, int(local[0]), [_megatron_slot_params(module.experts, i, layer)
@@ -295,6 +398,7 @@ def install_torchtitan_replicas(model: Any, layers: Mapping[int, Sequence[int] |
             p2l = maps[layer]
             device = _param_device(torch, experts)
             cnt, table_t = _slot_table(torch, p2l, num_experts, device)
+            installed._route[layer] = (cnt, table_t)
             installed._handles.append(experts.register_forward_pre_hook(
                 _titan_pre_hook(layer, cnt, table_t, num_experts, p2l.size)).remove)
             inner = experts.inner_experts

@@ -320,3 +320,15 @@ def test_vllm_maps_reproduce_vllms_documented_example():
         model=SimpleNamespace(num_experts=4, moe_layers=(0, 1)), parallel=SimpleNamespace(ep=3),
         name="example", sha256=""))
     assert doc["logical_to_physical_map"] == want_l2p and doc["logical_replica_count"] == want_count
+
+
+def test_replan_refuses_the_distributed_optimizer_and_a_moved_permutation():
+    pytest.importorskip("torch")
+    from placement import replica_runtime as rr
+
+    with pytest.raises(InvalidInputError, match="^optimizer: Megatron-Core's DistributedOptimizer"):
+        rr._torch_optimizers(SimpleNamespace(chained_optimizers=[SimpleNamespace(model_param_group_index_map={})]))
+    installed = rr.InstalledReplicas("TorchTitan", 4)
+    installed._layers[0] = (np.array([0, 1, 3, 2, 3, 0]), 0, [[], [], []])
+    with pytest.raises(InvalidInputError, match="changes only redundant slots"):
+        installed.replan({0: [1, 0, 3, 2, 3, 0]})

@@ -10,7 +10,10 @@ Two layouts, each with the ``alltoall`` dispatcher, ``SequentialMLP`` experts, M
 Per layout three jobs of five steps on the same batches: ``ref`` (8 experts, no replicas), ``rep``
 (the replica model: expert slot ``p`` starts from logical expert ``phy2log[p]``'s weights, the
 dense and router weights copied from ``ref``, :func:`placement.replica_runtime.install_megatron_replicas`,
-``reduce_grads`` before ``finish_grad_sync``) and ``skip`` (the same without ``reduce_grads``).  Each
+``reduce_grads`` before ``finish_grad_sync``) and ``skip`` (the same without ``reduce_grads``).
+``ep4`` also runs ``replan`` (``rep`` whose redundant slots take other experts after step
+``REPLAN_AT``, :meth:`~placement.replica_runtime.InstalledReplicas.replan` with the optimizer
+state) and ``replan_no_state`` (the same re-plan moving the weights only).  Each
 rank writes per job and step the mean loss, every expert gradient by logical expert before the DP
 reduction (the replica job's slots after the replica sum) and every expert weight by logical
 expert after the step, gathered from all ranks, to ``OUT_DIR/rank{RANK}.json``.
@@ -33,6 +36,9 @@ MAPS = {
     "ep2_edp2": {0: [0, 1, 2, 3, 5, 4, 5, 6, 7, 1], 1: [0, 1, 2, 3, 6, 4, 5, 6, 7, 2]},
 }
 EP = {"ep4": 4, "ep2_edp2": 2}
+# the live re-plan (ep4, after step REPLAN_AT): other experts in the redundant slots (each rank's 3rd)
+REPLAN_AT = 1
+REPLAN = {0: [0, 1, 6, 2, 3, 7, 4, 5, 0, 6, 7, 2], 1: [0, 1, 4, 2, 3, 5, 4, 5, 1, 6, 7, 3]}
 
 
 def _gpt(seed: int, num_experts: int, ep: int) -> Any:
@@ -103,7 +109,7 @@ def _build(layout: str, replicas: bool) -> tuple[Any, Any, Any, Any]:
     return model, ddp, opt, installed
 
 
-def _by_logical(model: Any, layout: str, replicas: bool, grads: bool) -> dict[str, list[list[float]]]:
+def _by_logical(model: Any, maps: dict, replicas: bool, grads: bool) -> dict[str, list[list[float]]]:
     """``{layer/logical/param: [values of every slot holding it]}`` gathered from every rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -116,7 +122,7 @@ def _by_logical(model: Any, layout: str, replicas: bool, grads: bool) -> dict[st
             per_rank = len(layer.mlp.experts.local_experts)
             for i, expert in enumerate(layer.mlp.experts.local_experts):
                 slot = ep_rank * per_rank + i
-                logical = MAPS[layout][li][slot] if replicas else slot
+                logical = maps[li][slot] if replicas else slot
                 for n, p in sorted(expert.named_parameters()):
                     t = p.main_grad if grads else p.detach()
                     mine.setdefault(f"{li}/{logical}/{n}", []).append(t.reshape(-1).tolist())
@@ -143,6 +149,7 @@ def job(layout: str, mode: str, rank: int) -> dict:
 
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=EP[layout])
     model, ddp, opt, installed = _build(layout, mode != "ref")
+    maps = dict(MAPS[layout])
     out: dict[str, Any] = {"losses": [], "expert_grads": [], "dense_grads": [], "weights": []}
     for step in range(STEPS):
         tokens, pos, mask, labels = megatron_batch(step * 10 + rank)
@@ -150,16 +157,19 @@ def job(layout: str, mode: str, rank: int) -> dict:
         opt.zero_grad()
         loss = ddp(tokens, pos, mask, labels=labels).float().mean()
         loss.backward()
-        if installed is not None and mode == "rep":
+        if installed is not None and mode != "skip":
             installed.reduce_grads()
-        out["expert_grads"].append(_by_logical(model, layout, mode != "ref", grads=True))
+        out["expert_grads"].append(_by_logical(model, maps, mode != "ref", grads=True))
         out["dense_grads"].append(_dense_grads(model))
         ddp.finish_grad_sync()
         opt.step()
         total = torch.tensor([loss.item()])
         dist.all_reduce(total)
         out["losses"].append(float(total.item()) / dist.get_world_size())
-        out["weights"].append(_by_logical(model, layout, mode != "ref", grads=False))
+        out["weights"].append(_by_logical(model, maps, mode != "ref", grads=False))
+        if installed is not None and mode in ("replan", "replan_no_state") and step == REPLAN_AT:
+            out["replanned"] = installed.replan(REPLAN, opt, copy_optimizer_state=mode == "replan")
+            maps = dict(REPLAN)
     if installed is not None:
         installed.remove()
     ps.destroy_model_parallel()
@@ -175,7 +185,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result: dict[str, Any] = {}
     for layout in ("ep4", "ep2_edp2"):
-        for mode in ("ref", "rep", "skip"):
+        for mode in ("ref", "rep", "skip") + (("replan", "replan_no_state") if layout == "ep4" else ()):
             try:
                 result[f"{layout}/{mode}"] = job(layout, mode, rank)
             except Exception as exc:  # recorded: the test names the job that failed

@@ -4,7 +4,9 @@ skipping the replicas' gradient sum breaks that.
 
 Megatron-Core 0.16.1 (``tests/stacks/replicas_megatron_job.py``, 4 processes): EP4 with the plain
 optimizer, and EP2 x expert-DP 2 with the DistributedOptimizer, the ``alltoall`` dispatcher and
-``SequentialMLP`` experts.  TorchTitan 0.3.0 (``tests/stacks/replicas_titan_job.py``, 4 processes):
+``SequentialMLP`` experts; EP4 also across one live re-plan of the redundant slots after step 1
+(``InstalledReplicas.replan`` copying weights and Adam state), which fails when only the weights
+move.  TorchTitan 0.3.0 (``tests/stacks/replicas_titan_job.py``, 4 processes):
 one MoE layer with EP2 x TP2 (``full_dtensor``), five SGD steps; its ``GroupedExperts`` rounds each
 slot's weight gradient to BF16, so there the bar is BF16's: measured largest differences with the
 replica sum 2.0e-3 (gradients), 3.3e-4 (loss), 2.0e-4 (weights), against 0.50, 0.16 and 0.046 without it.
@@ -111,3 +113,18 @@ def test_titan_job_without_the_replica_gradient_sum_differs(titan):
     for rank in titan:
         assert rank["skip"]["grad"] >= 10 * BF16_TOL["grad"] and rank["skip"]["weight"] >= 10 * BF16_TOL["weight"], rank
         assert rank["skip"]["loss"] >= 10 * BF16_TOL["loss"], rank
+
+
+def test_megatron_live_replan_keeps_the_job_equal_to_the_job_without_replicas(megatron):
+    # after step 1 every rank's redundant slot takes another expert, weights and Adam state copied
+    for rank in megatron:
+        run = rank["ep4/replan"]
+        assert run["replanned"] == [0, 1]
+        loss, grad, weight = max_diff(rank["ep4/ref"], run)
+        assert loss <= TOL and grad <= TOL and weight <= TOL, (loss, grad, weight)
+
+
+def test_megatron_live_replan_without_the_optimizer_state_differs(megatron):
+    for rank in megatron:
+        loss, grad, weight = max_diff(rank["ep4/ref"], rank["ep4/replan_no_state"])
+        assert grad > 1e-3 and weight > 1e-4, (loss, grad, weight)
