@@ -203,6 +203,28 @@ class InstalledReplicas:
         return changed
 
 
+    def maps_from_loads(self, loads: Mapping[int, Sequence[float] | np.ndarray], rule: str = "hottest",
+                        rank2domain: np.ndarray | None = None) -> dict[int, np.ndarray]:
+        """New replica maps for :meth:`replan` from recent routing: per installed layer, ``loads``
+        (E,) tokens per logical expert (e.g. the router's ``local_tokens_per_expert`` summed over
+        the EP group since the last re-plan), the permutation kept, the redundant slots chosen by
+        ``rule`` (:func:`placement.replicas.replicate`).  The same on every rank given the same loads."""
+        from placement.replicas import replicate
+
+        out: dict[int, np.ndarray] = {}
+        for layer in self.layers:
+            if layer not in loads:
+                continue
+            p2l, _, slots = self._layers[layer]
+            per_rank = len(slots)
+            ep = p2l.size // per_rank
+            keep = per_rank - (p2l.size - self.num_experts) // ep
+            base = p2l.reshape(ep, per_rank)[:, :keep].reshape(1, -1)
+            w = np.asarray(loads[layer], dtype=np.float64).reshape(1, -1)
+            out[layer] = replicate(rule, base, w, ep, p2l.size - self.num_experts, rank2domain).phy2log[0]  # type: ignore[arg-type]
+        return out
+
+
 def _torch_optimizers(optimizer: Any) -> list[Any]:
     """The torch optimizers inside a Megatron-Core (Chained) optimizer, or ``[optimizer]``."""
     if optimizer is None:

@@ -332,3 +332,20 @@ def test_replan_refuses_the_distributed_optimizer_and_a_moved_permutation():
     installed._layers[0] = (np.array([0, 1, 3, 2, 3, 0]), 0, [[], [], []])
     with pytest.raises(InvalidInputError, match="changes only redundant slots"):
         installed.replan({0: [1, 0, 3, 2, 3, 0]})
+
+
+def test_maps_from_recent_loads_keep_the_permutation_and_follow_the_new_hot_expert():
+    pytest.importorskip("torch")
+    from placement import replica_runtime as rr
+
+    installed = rr.InstalledReplicas("Megatron", 8)
+    # ep 4, 3 slots per rank: rank r holds 2r, 2r + 1 and one replica
+    installed._layers[0] = (np.array([0, 1, 5, 2, 3, 0, 4, 5, 1, 6, 7, 4]), 0, [[], [], []])
+    loads = np.full(8, 10.0)
+    loads[6] = 100.0  # expert 6 (rank 3) became the hot one
+    new = installed.maps_from_loads({0: loads})[0]
+    rmap = ReplicaMap(new[None, :], 8, 4)
+    assert rmap.problems(np.arange(8)[None, :]) == []
+    assert rmap.logcnt[0, 6] >= 2  # the hot expert got a replica
+    assert rank_loads(rmap, loads[None, :]).max() < rank_loads(ReplicaMap(np.array([installed.phy2log(0)]), 8, 4),
+                                                                loads[None, :]).max()
