@@ -297,6 +297,8 @@ def solve(
     expert_params: int | None = None,
     sharded_optimizer: bool = True,
     fit: Fit = "robust",
+    redundant_experts: int = 0,
+    replica_rule: str = "hottest",
 ) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
 
@@ -358,6 +360,11 @@ def solve(
         objective: ``robust`` (default) the worst window, ``mean`` their sum, ``latest`` the latest
         window only; the guard against the default map judges on the latest window.  No effect on
         an instance with one sampled window.
+    redundant_experts : ``N`` extra expert slots per MoE layer (SGLang's
+        ``--ep-num-redundant-experts``), ``N / ep`` per GPU; ``E + N`` must divide over ``ep``.  The
+        replicas are chosen after the permutation by ``replica_rule`` (``hottest`` or ``eplb``,
+        :mod:`placement.replicas`) and returned in ``details["replicas"]``, which the placement
+        file holds as its ``replicas`` block.  The evaluator does not price them yet.
 
     Returns
     -------
@@ -400,6 +407,12 @@ def solve(
     etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
     if etp_problems:
         raise InvalidInputError(etp_problems[0])
+    if redundant_experts or replica_rule != "hottest":
+        from placement.replicas import REPLICA_RULES, check_redundant_experts
+
+        check_redundant_experts(instance.model.num_experts, instance.parallel.ep, redundant_experts)
+        if replica_rule not in REPLICA_RULES:
+            raise InvalidInputError(f"replica_rule: expected one of {', '.join(REPLICA_RULES)}, found {replica_rule!r}")
     fn = get_solver(solver)
     move_request = None
     if previous is not None or max_moved_bytes is not None or move_cost is not None:
@@ -441,6 +454,10 @@ def solve(
     details = dict(result.details)
     if stop_event is not None and stop_event.is_set():
         details["interrupted"] = True
+    if redundant_experts:  # the replica block of the placement file (placement/formats_replicas.py)
+        from placement.formats_replicas import replicas_block
+
+        details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule)
     if move_request is not None:  # what the re-placement moves and gains (placement/moves.py)
         from placement.moves import move_report, replica_state_bytes
 
@@ -645,7 +662,7 @@ def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
         "objective_bytes": float(result.objective_bytes),
         "bound_bytes": None if result.bound_bytes is None else float(result.bound_bytes),
         "gap": result.gap,
-        "details": result.details,
+        "details": {k: v for k, v in result.details.items() if k != "replicas"},
     }
     return placement_document(
         instance,
@@ -658,6 +675,7 @@ def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
         apply=result.params.get("apply"),
         metrics=result.metrics,
         solve=solve_info,
+        replicas=result.details.get("replicas"),
     )
 
 

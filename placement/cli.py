@@ -210,6 +210,8 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                 finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
                 **moves_kwargs,
                 fit=args.fit,
+                redundant_experts=args.redundant_experts,
+                replica_rule=args.replica_rule,
             )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
@@ -305,6 +307,11 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     print("\n".join(_footprint_lines(instance, result)))
     if "moves" in result.details:
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
+    if "replicas" in result.details:  # placement/formats_replicas.py; not priced by the evaluator yet
+        rm = result.details["replicas"]["metrics"]
+        print(f"  replicas: {args.redundant_experts} redundant slots per MoE layer (rule {args.replica_rule}), busiest EP "
+              f"rank's tokens / mean (held-out) {rm.get('heldout_rank_load_max_over_mean', float('nan')):.3f} -> "
+              f"{rm.get('heldout_rank_load_max_over_mean_with_replicas', float('nan')):.3f}; not in the metrics above")
     if args.output:
         print(f"  wrote {args.output}")
     return EXIT_OK
@@ -673,6 +680,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "worst window (robust, default), their mean, or the latest only; the guard against the "
                          "default map judges on the latest window. No effect with one window")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
+    so.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                    help="N extra expert slots per MoE layer for replicas of hot experts (N / ep per GPU; E + N must "
+                         "divide over ep, as SGLang's --ep-num-redundant-experts; docs/replicas.md)")
+    so.add_argument("--replica-rule", default="hottest", choices=("hottest", "eplb"),
+                    help="how the replicas are chosen (default hottest; eplb: DeepSeek EPLB's replicate_experts)")
     so.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
     so.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
     mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")

@@ -737,6 +737,7 @@ def export_file(
             "(any other string is parsed as inline JSON); name the output *.json"
         )
     instance, placement, doc = load_for_export(placement_path, instance_path)
+    placement = _with_replicas(fmt, placement, doc, instance)
     mode = export_apply(fmt, doc, instance, apply=apply, keep_router=keep_router)
     files = {out: export_text(fmt, placement, instance, keep_router=mode == "runtime" and fmt in ("megatron", "torchtitan"))}
     if fmt == "slurm" and instance is not None:
@@ -761,6 +762,39 @@ def export_file(
         if path.name.endswith(".launch.sh"):
             path.chmod(path.stat().st_mode | ((path.stat().st_mode & 0o444) >> 2))  # executable where readable
     return files
+
+
+# ---------------------------------------------------------------------------------------------
+# Replicas (placement/formats_replicas.py)
+# ---------------------------------------------------------------------------------------------
+REPLICA_FORMATS = ("sglang", "vllm")
+
+
+def _with_replicas(fmt: str, placement: Placement, doc: dict, instance: Instance | None) -> Placement:
+    """The placement whose ``phy2log`` is the replica map (L, E + N) when ``doc`` has a ``replicas``
+    block and ``fmt`` carries replicas (sglang, vllm).  The other formats write the permutation (each
+    rank's first ``E / ep`` slots); a training job reads the replica block from the placement file
+    (:mod:`placement.replica_runtime`).  hybridep's file is the rank layout, which replicas do not
+    change: HybridEP dispatches the route's (tokens, slots) map column by column with
+    ``num_of_experts_per_rank`` columns per rank (Megatron-Core 0.16.1
+    ``transformer/moe/fused_a2a.py``, ``HybridEPDispatch.forward``), so a replica is one more column."""
+    block = doc.get("replicas")
+    if not block or not block.get("num_redundant_experts"):
+        return placement
+    if fmt not in REPLICA_FORMATS:
+        return placement
+    from placement.formats_replicas import replica_map_from_document
+
+    if instance is None:
+        raise InvalidInputError(f"--instance: {fmt} export of a placement with replicas needs the instance file")
+    num_experts, ep = instance.model.num_experts, instance.parallel.ep
+    from placement.formats_replicas import replica_violations
+
+    problems = replica_violations(instance, placement, doc)
+    if problems:
+        raise InvalidInputError(f"placement: {problems[0]}")
+    rmap = replica_map_from_document(block, num_experts, ep)
+    return Placement(placement.rank2gpu, rmap.phy2log)
 
 
 # ---------------------------------------------------------------------------------------------

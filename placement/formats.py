@@ -47,6 +47,7 @@ from placement.perfdata import (
     Performance,
 )
 from placement.schema import Any_, Bool, Int, List, Num, Obj, Str, to_json_schema, validate
+from placement.formats_replicas import REPLICAS_SPEC
 
 __all__ = [
     "INSTANCE_SCHEMA_VERSION",
@@ -409,8 +410,9 @@ PLACEMENT_SPEC = Obj(
         ),
         "metrics": Any_("The evaluator's report (sampled and heldout_ keys)."),
         "solve": Any_("Solver report: status, objective, bound, gap, per-layer details."),
+        "replicas": REPLICAS_SPEC,
     },
-    optional=frozenset({"params", "metrics", "solve", "consumer", "group_preserving", "apply"}),
+    optional=frozenset({"params", "metrics", "solve", "consumer", "group_preserving", "apply", "replicas"}),
 )
 
 
@@ -1128,8 +1130,10 @@ def placement_document(
     metrics: dict | None = None,
     solve: dict | None = None,
     apply: str | None = None,
+    replicas: dict | None = None,
 ) -> dict:
-    """The JSON document of a placement (deterministic: no wall-clock values)."""
+    """The JSON document of a placement (deterministic: no wall-clock values); ``replicas``: the
+    block of :func:`placement.formats_replicas.replicas_document`."""
     doc = {
         "schema_version": PLACEMENT_SCHEMA_VERSION,
         "kind": "placement",
@@ -1145,6 +1149,8 @@ def placement_document(
         "metrics": metrics or {},
         "solve": solve or {},
     }
+    if replicas is not None:
+        doc["replicas"] = replicas
     return doc
 
 
@@ -1158,6 +1164,7 @@ def _placement_text(doc: dict) -> str:
     body = dict(doc)
     rank2gpu = body.pop("rank2gpu")
     phy2log = body.pop("phy2log")
+    replicas = body.pop("replicas", None)
     text = json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
     assert text.endswith("}")
     lines = [text[:-1].rstrip() + ","]
@@ -1166,7 +1173,18 @@ def _placement_text(doc: dict) -> str:
     for i, row in enumerate(phy2log):
         sep = "," if i + 1 < len(phy2log) else ""
         lines.append("  " + json.dumps(row, separators=(",", ":")) + sep)
-    lines.append(" ]")
+    lines.append(" ]" + ("," if replicas is not None else ""))
+    if replicas is not None:  # the same for the replica block's (L, E + N) map, written last
+        rest = {k: v for k, v in replicas.items() if k != "phy2log"}
+        lines.append(' "replicas": {')
+        for key in sorted(rest):
+            lines.append(f"  {json.dumps(key)}: {json.dumps(rest[key], sort_keys=True, allow_nan=False)},")
+        lines.append('  "phy2log": [')
+        rows = replicas["phy2log"]
+        for i, row in enumerate(rows):
+            lines.append("   " + json.dumps(row, separators=(",", ":")) + ("," if i + 1 < len(rows) else ""))
+        lines.append("  ]")
+        lines.append(" }")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

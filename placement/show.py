@@ -506,4 +506,14 @@ def show_files(
     from placement.export import require_placement_of
 
     require_placement_of(instance, placement, doc, placement_path, instance_path)
-    return draw_placement(instance, placement, out, window=window, label=f"solver {doc['solver']}")
+    return draw_placement(instance, placement, out, window=window,
+                          label=f"solver {doc['solver']}" + replica_label(doc, instance.parallel.ep))
+
+
+def replica_label(doc: dict, ep: int) -> str:
+    """The title's replica marker: ``", + N redundant expert slots (k per GPU, rule R)"``, or ``""``."""
+    block = doc.get("replicas")
+    if not block or not block.get("num_redundant_experts"):
+        return ""
+    n = int(block["num_redundant_experts"])
+    return f", + {n} redundant expert slots per MoE layer ({n // ep} per GPU, rule {block.get('rule')})"

@@ -14,7 +14,11 @@ Checks, each reported with a message that names it:
 - ``deepep``: when the file declares ``consumer`` ``deepep`` or ``hybridep``, the equal
   consecutive slices per NVLink domain rule;
 - ``groups``: when the file declares ``group_preserving``, every layer keeps expert groups whole;
-- ``metrics``: every metric the file states equals the evaluator's, to a relative 1e-9.
+- ``metrics``: every metric the file states equals the evaluator's, to a relative 1e-9;
+- ``replicas``: when the file has a ``replicas`` block (:mod:`placement.formats_replicas`), its map
+  has ``E + N`` slots per layer dividing over ``ep``, every expert at least once, no expert twice
+  on one EP rank, each rank's first ``E / ep`` slots equal to ``phy2log``, and its stated rank-load
+  metrics recomputed.
 """
 
 from __future__ import annotations
@@ -101,6 +105,10 @@ def verify_document(instance: Instance, placement: Placement, doc: dict) -> Veri
         checks.append("groups")
         violations += [f"group_preserving: {v}" for v in violates_group_preservation(instance, placement)]
 
+    if "replicas" in doc and not structural:
+        checks.append("replicas")
+        violations += _replica_violations(instance, placement, doc)
+
     metrics = None
     if not structural:
         checks.append("metrics")
@@ -112,6 +120,19 @@ def verify_document(instance: Instance, placement: Placement, doc: dict) -> Veri
     else:
         notes.append("metrics not recomputed: the placement's structure is invalid")
     return VerifyReport(violations=violations, checks=checks, metrics=metrics, notes=notes)
+
+
+def _replica_violations(instance: Instance, placement: Placement, doc: dict) -> list[str]:
+    from placement.formats_replicas import replica_map_from_document, replica_metrics, replica_violations
+
+    problems = replica_violations(instance, placement, doc)
+    stated = (doc.get("replicas") or {}).get("metrics") or {}
+    if problems or not stated:
+        return problems
+    rmap = replica_map_from_document(doc["replicas"], instance.model.num_experts, instance.parallel.ep)
+    computed = replica_metrics(instance, rmap, None)
+    stated = {k: v for k, v in stated.items() if k not in ("bytes_per_extra_slot", "extra_slots_per_gpu")}
+    return [f"replicas.{v}" for v in metric_misstatements(stated, computed)]
 
 
 def verify_files(instance_path: str | os.PathLike, placement_path: str | os.PathLike) -> VerifyReport:

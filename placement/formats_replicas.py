@@ -1,0 +1,166 @@
+"""The placement file's optional ``replicas`` block: redundant expert slots (:mod:`placement.replicas`).
+
+::
+
+    "replicas": {
+      "num_redundant_experts": 64,          # N extra slots per MoE layer (SGLang's --ep-num-redundant-experts)
+      "rule": "hottest",                    # how the replicas were chosen (placement.replicas.REPLICA_RULES)
+      "token_split": "arrival_round_robin", # the j-th token of expert e on a source goes to replica j mod logcnt[e]
+      "phy2log": [[...], ...],              # (MoE layers, E + N): slot p on EP rank p // ((E + N) / ep)
+      "metrics": {...}                      # optional: rank-load max/mean, bytes per extra slot
+    }
+
+Each EP rank's first ``E / ep`` slots repeat the placement's ``phy2log`` (the permutation keeps its
+meaning for every consumer that does not read replicas); its last ``N / ep`` slots are replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from placement.model import Instance, InvalidInputError, Placement
+from placement.replicas import REPLICA_RULES, ReplicaMap, check_redundant_experts, expert_loads, load_max_over_mean
+from placement.schema import Any_, Int, List, Obj, Str, validate
+
+__all__ = [
+    "REPLICAS_SPEC",
+    "TOKEN_SPLITS",
+    "replicas_document",
+    "replica_map_from_document",
+    "replica_metrics",
+    "replica_violations",
+]
+
+TOKEN_SPLITS = ("arrival_round_robin",)
+MAX_SLOTS = 2**40
+
+REPLICAS_SPEC = Obj(
+    "Redundant expert slots: per MoE layer the logical expert of each of num_experts + num_redundant_experts "
+    "physical slots; each EP rank's first num_experts/ep slots repeat phy2log, its last num_redundant_experts/ep "
+    "slots are replicas.",
+    {
+        "num_redundant_experts": Int("Extra expert slots per MoE layer (SGLang --ep-num-redundant-experts).", 0,
+                                     MAX_SLOTS),
+        "rule": Str("How the replicas were chosen.", REPLICA_RULES),
+        "token_split": Str("How an expert's tokens are split among its slots: the j-th token routed to expert e on "
+                           "a source rank goes to slot j mod logcnt[e] (placement.replica_runtime).", TOKEN_SPLITS),
+        "phy2log": List(
+            "Per MoE layer, the logical expert of each physical slot; slot p on EP rank p // ((E + N) / ep).",
+            List("One layer's map.", Int("Expert id.", 0, MAX_SLOTS)),
+        ),
+        "metrics": Any_("Rank-load max/mean on the sampled and held-out windows, bytes per extra slot."),
+    },
+    optional=frozenset({"metrics"}),
+)
+
+
+def replica_metrics(instance: Instance, rmap: ReplicaMap, expert_params: int | None = None) -> dict[str, Any]:
+    """Mean over MoE layers of the busiest EP rank's tokens over the mean, sampled and held out, with
+    these replicas (``*_with_replicas``) and without (the permutation alone)."""
+    from placement.replicas import physical_map
+
+    m, par = instance.model, instance.parallel
+    none = physical_map(rmap.phy2log.reshape(rmap.num_layers, par.ep, -1)[:, :, : m.num_experts // par.ep]
+                        .reshape(rmap.num_layers, m.num_experts), np.zeros((rmap.num_layers, par.ep, 0)), par.ep)
+    out: dict[str, Any] = {}
+    windows = [("sampled", instance.routing.topk), ("heldout", instance.routing.heldout_topk)]
+    for name, topk in windows:
+        if topk is None:
+            continue
+        loads = expert_loads(topk, m.num_experts)
+        out[f"{name}_rank_load_max_over_mean"] = load_max_over_mean(none, loads)
+        out[f"{name}_rank_load_max_over_mean_with_replicas"] = load_max_over_mean(rmap, loads)
+    if expert_params is not None:
+        from placement.replicas import extra_slot_bytes
+
+        out["bytes_per_extra_slot"] = extra_slot_bytes(expert_params, par.ep_groups_per_stage)
+        out["extra_slots_per_gpu"] = rmap.num_redundant // par.ep
+    return out
+
+
+def replicas_document(rmap: ReplicaMap, rule: str, metrics: dict | None = None) -> dict[str, Any]:
+    """The ``replicas`` block of a placement document."""
+    doc: dict[str, Any] = {
+        "num_redundant_experts": rmap.num_redundant,
+        "rule": rule,
+        "token_split": TOKEN_SPLITS[0],
+        "phy2log": [[int(x) for x in row] for row in rmap.phy2log],
+    }
+    if metrics:
+        doc["metrics"] = metrics
+    return doc
+
+
+def replica_map_from_document(block: dict, num_experts: int, ep: int, where: str = "placement") -> ReplicaMap:
+    """The :class:`ReplicaMap` of a ``replicas`` block (structure checked; rules: :func:`replica_violations`).
+
+    Raises
+    ------
+    InvalidInputError
+        One line naming ``replicas.<field>``.
+    """
+    validate(block, REPLICAS_SPEC, where, "replicas")
+    n = block["num_redundant_experts"]
+    try:
+        check_redundant_experts(num_experts, ep, n)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{where}: replicas.{exc}") from None
+    rows = block["phy2log"]
+    width = num_experts + n
+    bad = next((i for i, r in enumerate(rows) if len(r) != width), None)
+    if bad is not None:
+        raise InvalidInputError(f"{where}: replicas.phy2log[{bad}]: expected {width} slots (num_experts + "
+                                f"num_redundant_experts), found {len(rows[bad])}")
+    return ReplicaMap(np.array(rows, dtype=np.int64).reshape(len(rows), width), num_experts, ep)
+
+
+def replica_violations(instance: Instance, placement: Placement, doc: dict) -> list[str]:
+    """Every rule the document's ``replicas`` block breaks (empty when it has none or it is valid)."""
+    block = doc.get("replicas")
+    if block is None:
+        return []
+    m, ep = instance.model, instance.parallel.ep
+    try:
+        rmap = replica_map_from_document(block, m.num_experts, ep, "")
+    except InvalidInputError as exc:
+        return [str(exc).lstrip(": ")]
+    if rmap.num_layers != m.num_moe_layers:
+        return [f"replicas.phy2log: {rmap.num_layers} layers, the model has {m.num_moe_layers} MoE layers"]
+    return [v if v.startswith("replicas.") else f"replicas: {v}" for v in rmap.problems(placement.phy2log)]
+
+
+def replicas_block(instance: Instance, placement: Placement, redundant_experts: int, rule: str = "hottest") -> dict:
+    """The ``replicas`` block for ``placement``: ``redundant_experts`` slots per MoE layer chosen by
+    ``rule`` on the sampled window (the held-out window is only scored), per pipeline stage with the
+    NVLink domains of the stage's first EP group.
+
+    Raises
+    ------
+    InvalidInputError
+        ``redundant_experts`` that ``E + N`` and ``ep`` do not allow, or an unknown rule.
+    """
+    from placement.replicas import REPLICA_RULES, replicate
+
+    m, par, cl = instance.model, instance.parallel, instance.cluster
+    n = check_redundant_experts(m.num_experts, par.ep, redundant_experts)
+    if rule not in REPLICA_RULES:
+        raise InvalidInputError(f"replica_rule: expected one of {', '.join(REPLICA_RULES)}, found {rule!r}")
+    loads = expert_loads(instance.routing.topk, m.num_experts)
+    stage = np.asarray(instance.moe_layer2stage)
+    base = np.asarray(placement.phy2log, dtype=np.int64)
+    rows = np.zeros((m.num_moe_layers, m.num_experts + n), dtype=np.int64)
+    r2g = np.asarray(placement.rank2gpu, dtype=np.int64)
+    for s in np.unique(stage):
+        layers = np.flatnonzero(stage == s)
+        rank2domain = cl.gpu2domain[r2g[par.stage_ep_groups[int(s)][0]]]
+        rows[layers] = replicate(rule, base[layers], loads[layers], par.ep, n, rank2domain).phy2log
+    rmap = ReplicaMap(rows, m.num_experts, par.ep)
+    try:
+        from placement.movecount import expert_params
+
+        params: int | None = expert_params(instance)
+    except InvalidInputError:
+        params = None
+    return replicas_document(rmap, rule, replica_metrics(instance, rmap, params))
