@@ -718,7 +718,9 @@ def calibrate(
         fitted.update({f"fp8_gemm_ratio:{k}": v for k, v in f.ratios.items()})
     fitted.update(f.shared)
     first = prepared[train[0]].row if train else rows[0]
-    perf = dataclasses.replace(base, gpu=first.gpu, precision=first.precision, dispatcher=first.dispatcher)
+    perf = dataclasses.replace(
+        base, gpu=first.gpu, precision=first.precision, dispatcher=first.dispatcher, architecture=first.architecture
+    )
     perf = dataclasses.replace(perf, **values(first.gpu))  # type: ignore[arg-type]
     return Calibration(
         fitted=fitted,

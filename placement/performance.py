@@ -30,10 +30,11 @@ per GPU = tokens of a global batch / step time / GPUs.
 
 Time of one micro-batch on one GPU, layer ``l`` (forward = 1/3 of the FLOPs, backward 2/3):
 
-- compute ``c_l = attn_l + mlp_l``: ``attn_l`` = the dense FLOPs (attention, dense MLP, shared
-  expert) at ``peak * gemm_efficiency`` (the attention's score/value products at the BF16 peak)
-  plus ``layer_overhead_s``; ``mlp_l`` = the routed experts' FLOPs at the mean load, at ``peak *
-  expert_gemm_efficiency``, times the busiest GPU's load of one micro-batch
+- compute ``c_l = attn_l + mlp_l`` (:mod:`placement.compute`: every GEMM at ``ceiling x peak x
+  s(M) s(N) s(K)``, the attention's score/value products at the BF16 peak, non-GEMM work at the
+  HBM bandwidth): ``attn_l`` = attention, dense MLP or shared expert, plus ``layer_overhead_s``;
+  ``mlp_l`` = the routed experts at the mean load (``E / ep`` grouped GEMMs of ``M = tokens x ep x
+  top_k / E`` rows), times the busiest GPU's load of one micro-batch
   (:func:`per_microbatch_load` of ``Metrics.expert_load_max_over_mean_per_layer``, 1 with
   ``expert_load: balanced``), capped at ``capacity_factor`` when one is set (tokens over it are
   dropped).  The last stage adds the output layer(s) and the MTP layers (MTP MoE layer ``j`` priced
@@ -67,7 +68,7 @@ exposed data-parallel time.
 Not modelled (absorbed by the fitted efficiency): recomputation, the optimizer step, stragglers,
 host (CPU) overhead, kernel launch gaps other than ``layer_overhead_s``.
 
-Calibration: ``gemm_efficiency`` is fitted per GPU kind on the published ladder
+Calibration: the GEMM ceiling (and FP8 ratio) is fitted per GPU kind on the published ladder
 (:mod:`placement.calibration`, ``placement calibrate``); the README has the table with every error.
 :func:`performance_settings` gives the ``low``/``mid``/``high`` variants of the uncertain terms.
 
