@@ -1,6 +1,6 @@
-"""The step-time model: FLOP count against a hand count, property tests at every uncertainty
-setting (bytes, overlap, the compute-bound limit), Megatron-Core's overlap rules, the calibration on
-the published ladder, ``placement calibrate``, and the report keys."""
+"""The step-time model: FLOP count against a hand count, compute by GEMM shape by hand, property
+tests at every uncertainty setting (bytes, overlap, the compute-bound limit, GEMM size), Megatron-Core's
+overlap rules, and the report keys.  The ladder and ``placement calibrate``: tests/test_calibration.py."""
 
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.cli import main
 from placement.cost import evaluate, report
 from placement.formats import read_instance
 from placement.model import InvalidInputError
 from placement.performance import (
-    CALIBRATED_GEMM_EFFICIENCY,
     DEEPSEEK_V3,
     GPU_KINDS,
     SETTINGS,
