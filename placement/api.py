@@ -182,7 +182,8 @@ def predict_performance(instance: Instance, placement: Placement, *, window: Win
 
 
 def calibrate(
-    rows: str | os.PathLike[str] | None = None, fit: Sequence[str] = ("gemm_efficiency",)
+    rows: str | os.PathLike[str] | None = None,
+    fit: Sequence[str] = ("gemm_efficiency", "gemm_half_shape", "fp8_gemm_ratio", "elementwise_bytes"),
 ) -> Calibration:
     """Predict the measured runs of a ladder file and fit the step-time model on its ``fit`` rows.
 

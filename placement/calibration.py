@@ -47,11 +47,11 @@ from placement.model import (
 )
 from placement.perfdata import (
     DEEPSEEK_V3,
+    FP8_GEMM_RATIO,
     DISPATCHERS,
     GPU_KINDS,
     OVERLAP_MODES,
     PRECISIONS,
-    QWEN3_235B_A22B,
     Architecture,
     Performance,
 )
@@ -68,24 +68,107 @@ __all__ = [
     "read_ladder",
     "row_instance",
     "calibrate",
+    "cross_validate",
+    "CrossValidation",
+    "HeldOut",
+    "ceiling_for",
+    "DEFAULT_FIT",
     "ladder_schema",
     "format_table",
+    "format_cross_validation",
 ]
 
-# Models a row may name: (Architecture, MoE shape).
-_MODELS: dict[str, tuple[Architecture, dict[str, Any]]] = {
-    "deepseek_v3": (
-        DEEPSEEK_V3,
-        dict(num_layers=61, first_moe=3, num_experts=256, top_k=8, num_groups=8, groups_per_token=4, hidden_size=7168),
-    ),
-    "qwen3_235b_a22b": (
-        QWEN3_235B_A22B,
-        dict(num_layers=94, first_moe=0, num_experts=128, top_k=8, num_groups=1, groups_per_token=1, hidden_size=4096),
-    ),
+SHARED_FITTABLE = (
+    "gemm_half_shape",
+    "elementwise_bytes",
+    "layer_overhead_s",
+    "expert_gemm_efficiency",
+    "overlap_efficiency",
+)
+PER_KIND_FITTABLE = ("gemm_efficiency", "fp8_gemm_ratio")
+FITTABLE: tuple[str, ...] = PER_KIND_FITTABLE + SHARED_FITTABLE
+#: What ``placement calibrate`` fits by default: per GPU kind the ceiling and (where the kind has
+#: BF16 and FP8 rows) the FP8 ratio; three shared values.
+DEFAULT_FIT: tuple[str, ...] = (
+    "gemm_efficiency",
+    "fp8_gemm_ratio",
+    "gemm_half_shape",
+    "elementwise_bytes",
+    "layer_overhead_s",
+)
+MAX_SHARED = 3
+# Bounds of each fitted value (least squares in log error).
+_BOUNDS: dict[str, tuple[float, float]] = {
+    "gemm_efficiency": (0.05, 1.0),
+    # At least one 128-wide tile (the tensor-core tile of CUTLASS's and cuBLAS's Hopper and Blackwell
+    # GEMM kernels): a dimension of one tile cannot run at more than half the ceiling.
+    "gemm_half_shape": (128.0, 5000.0),
+    "fp8_gemm_ratio": (0.3, 1.0),
+    "elementwise_bytes": (0.0, 200.0),
+    "layer_overhead_s": (0.0, 0.05),
+    "expert_gemm_efficiency": (0.05, 1.0),
+    "overlap_efficiency": (0.05, 1.0),
 }
-SHARED_FITTABLE = ("layer_overhead_s", "expert_gemm_efficiency", "overlap_efficiency")
-FITTABLE: tuple[str, ...] = ("gemm_efficiency",) + SHARED_FITTABLE
+# Starting values of the least squares (neutral, not fitted on anything).
+_START: dict[str, float] = {
+    "gemm_efficiency": 0.5,
+    "gemm_half_shape": 500.0,
+    "fp8_gemm_ratio": 0.8,
+    "elementwise_bytes": 10.0,
+    "layer_overhead_s": 1e-4,
+    "expert_gemm_efficiency": 0.8,
+    "overlap_efficiency": 0.8,
+}
+# The FP8 ratio when a fit has rows of one precision only (it is then not identified): an FP8 GEMM
+# at the same share of its peak as a BF16 one.
+FP8_RATIO_UNFITTED = 1.0
+# A GPU kind with no fitted row borrows the ceiling of the same chip (H800 = H100's compute), else of
+# its sibling (the same chip in the other form factor), else the median of the fitted ceilings.
+SAME_CHIP = {"h800": "h100", "h100": "h800"}
+SIBLING = {"gb300": "b300", "b300": "gb300", "gb200": "b200", "b200": "gb200"}
 _BIG = 1_000_000
+
+_ARCH_FIELDS = {f.name for f in dataclasses.fields(Architecture)}
+SHAPE_SPEC = Obj(
+    "The model's shape: placement.perfdata.Architecture's fields plus the MoE layout (Megatron's names).",
+    {
+        "attention": Str("mla (multi-head latent attention) or gqa (also MHA).", ("mla", "gqa")),
+        "num_attention_heads": Int("Attention heads.", 1, _BIG),
+        "ffn_hidden_size": Int("Dense layers' MLP hidden size.", 1, _BIG),
+        "moe_ffn_hidden_size": Int("One routed expert's hidden size.", 1, _BIG),
+        "shared_expert_ffn_hidden_size": Int("Shared expert hidden size; 0 = none.", 0, _BIG),
+        "vocab_size": Int("Padded vocabulary size.", 1, 100 * _BIG),
+        "mtp_num_layers": Int("Multi-token-prediction layers of the run (0 = none).", 0, 16),
+        "swiglu": Bool("SwiGLU MLPs (three GEMMs)."),
+        "q_lora_rank": Int("MLA query LoRA rank; 0 = none.", 0, _BIG),
+        "kv_lora_rank": Int("MLA key/value LoRA rank.", 0, _BIG),
+        "qk_head_dim": Int("MLA query/key head size without RoPE.", 0, _BIG),
+        "qk_pos_emb_head_dim": Int("MLA RoPE part of the query/key head.", 0, _BIG),
+        "v_head_dim": Int("MLA value head size.", 0, _BIG),
+        "num_query_groups": Int("GQA key/value heads.", 0, _BIG),
+        "kv_channels": Int("GQA head size.", 0, _BIG),
+        "num_layers": Int("Decoder layers (without MTP).", 1, 100_000),
+        "first_dense_layers": Int("Leading dense decoder layers (DeepSeek-V3: 3).", 0, 100_000),
+        "hidden_size": Int("Hidden size.", 1, _BIG),
+        "num_experts": Int("Routed experts per MoE layer.", 1, _BIG),
+        "top_k": Int("Routed experts per token.", 1, _BIG),
+        "num_groups": Int("Expert groups of group-limited routing (1 = none).", 1, _BIG),
+        "groups_per_token": Int("Groups a token may route to.", 1, _BIG),
+    },
+    optional=frozenset(
+        {
+            "mtp_num_layers",
+            "swiglu",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+            "num_query_groups",
+            "kv_channels",
+        }
+    ),
+)
 
 ROW_SPEC = Obj(
     "One measured training run.",
@@ -96,8 +179,8 @@ ROW_SPEC = Obj(
         "date": Str("Publication date, YYYY-MM-DD."),
         "gpu": Str("GPU kind (docs/formats.md).", tuple(GPU_KINDS)),
         "precision": Str("Precision of the GEMMs.", PRECISIONS),
-        "model": Str("Model shape.", tuple(_MODELS)),
-        "mtp_num_layers": Int("Multi-token-prediction layers of the run (0 = none).", 0, 1),
+        "family": Str("Model family (deepseek_v3, qwen3_235b_a22b, qwen3_30b_a3b, ...): the unit of leave-one-family-out."),
+        "shape": SHAPE_SPEC,
         "gpus": Int("GPUs of the job.", 1, _BIG),
         "tp": Int("Tensor-parallel size.", 1, _BIG),
         "cp": Int("Context-parallel size.", 1, _BIG),
@@ -112,6 +195,7 @@ ROW_SPEC = Obj(
         "dispatch_precision": Str("Precision of the forward dispatch copies.", ("fp8", "bf16")),
         "overlap": Str("EP all-to-all overlap (Megatron-Core's combined 1F1B) or none.", OVERLAP_MODES),
         "recompute": Str("Recomputed modules as published (free text; not modelled)."),
+        "cuda_graphs": Str("CUDA graph setting of the recipe (free text; not modelled)."),
         "expert_load": Str("balanced (forced-balanced benchmark) or routing (priced as balanced here).", ("balanced", "routing")),
         "tokens_per_s_per_gpu": Num("Published tokens/s per GPU.", exclusive_minimum=0),
         "tflops_per_gpu": Num("Published model TFLOP/s per GPU.", exclusive_minimum=0),
@@ -122,13 +206,13 @@ ROW_SPEC = Obj(
         {
             "release",
             "date",
-            "mtp_num_layers",
             "cp",
             "vpp",
             "dispatcher",
             "dispatch_precision",
             "overlap",
             "recompute",
+            "cuda_graphs",
             "expert_load",
             "tokens_per_s_per_gpu",
             "tflops_per_gpu",
@@ -159,7 +243,8 @@ class LadderRow:
     source: str
     gpu: str
     precision: str
-    model: str
+    family: str
+    shape: dict
     gpus: int
     tp: int
     pp: int
@@ -170,18 +255,31 @@ class LadderRow:
     seq_len: int
     release: str = ""
     date: str = ""
-    mtp_num_layers: int = 1
     cp: int = 1
     vpp: int = 1
     dispatcher: str = "hybridep"
     dispatch_precision: str = "bf16"
     overlap: str = "none"
     recompute: str = ""
+    cuda_graphs: str = ""
     expert_load: str = "balanced"
     tokens_per_s_per_gpu: float | None = None
     tflops_per_gpu: float | None = None
     fit: bool = False
     note: str = ""
+
+    @property
+    def architecture(self) -> Architecture:
+        """The shape's :class:`~placement.perfdata.Architecture` (MTP as the row ran it)."""
+        return Architecture(**{k: v for k, v in self.shape.items() if k in _ARCH_FIELDS})
+
+    @property
+    def configuration(self) -> tuple:
+        """What makes two rows the same configuration (a release re-run of it is not a new one)."""
+        return (
+            self.family, self.gpu, self.precision, self.gpus, self.tp, self.cp, self.pp, self.vpp, self.ep,
+            self.micro_batch, self.global_batch, self.seq_len, self.dispatcher, self.overlap,
+        )
 
     @property
     def published(self) -> tuple[str, float]:
@@ -240,8 +338,29 @@ def _check_row(where: str, i: int, r: LadderRow, seen: set[str]) -> None:
         raise fail("global_batch", f"{r.global_batch} is not a multiple of micro_batch*dp = {r.micro_batch * r.dp}")
     if r.precision not in GPU_KINDS[r.gpu].peak_dense_tflops:
         raise fail("precision", f"no {r.precision} peak for {r.gpu}")
-    layers = _MODELS[r.model][1]["num_layers"]
-    if r.pp * r.vpp > layers + 2 + r.mtp_num_layers:
+    sh = r.shape
+    def shape_fail(field: str, msg: str) -> InvalidInputError:
+        return fail(f"shape.{field}", msg)
+
+    needed = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim") if sh["attention"] == "mla" else (
+        "num_query_groups", "kv_channels")
+    for key in needed:
+        if sh.get(key, 0) < 1:
+            raise shape_fail(key, f"expected an integer >= 1 for {sh['attention']} attention")
+    if sh["attention"] == "gqa" and sh["num_attention_heads"] % sh["num_query_groups"]:
+        raise shape_fail("num_query_groups", "must divide num_attention_heads")
+    if sh["first_dense_layers"] >= sh["num_layers"]:
+        raise shape_fail("first_dense_layers", f"{sh['first_dense_layers']} leaves no MoE layer of {sh['num_layers']}")
+    if sh["top_k"] > sh["num_experts"]:
+        raise shape_fail("top_k", f"{sh['top_k']} exceeds num_experts={sh['num_experts']}")
+    if sh["num_experts"] % sh["num_groups"] or sh["groups_per_token"] > sh["num_groups"]:
+        raise shape_fail("num_groups", "must divide num_experts and be >= groups_per_token")
+    if sh["top_k"] > sh["groups_per_token"] * (sh["num_experts"] // sh["num_groups"]):
+        raise shape_fail("top_k", "exceeds the experts of groups_per_token groups")
+    if sh["num_experts"] % r.ep:
+        raise fail("ep", f"ep={r.ep} does not divide num_experts={sh['num_experts']}")
+    mtp = sh.get("mtp_num_layers", 0)
+    if r.pp * r.vpp > sh["num_layers"] + 2 + mtp:
         raise fail("vpp", f"pp*vpp={r.pp * r.vpp} exceeds the model's layer slots")
     if r.overlap == "1f1b":
         if r.pp > 1 and r.vpp < 2:
@@ -286,14 +405,14 @@ def _balanced_routing(rng: np.random.Generator, layers: int, dp: int, tokens: in
 def row_instance(row: LadderRow, performance: Performance, *, sampled_pairs: int = 8192) -> Instance:
     """An in-memory instance of ``row``: EP groups inside NVLink domains where they fit, balanced
     routing, ``sampled_pairs`` sampled tokens per stage (spread over the sources)."""
-    arch, shape = _MODELS[row.model]
-    arch = dataclasses.replace(arch, mtp_num_layers=row.mtp_num_layers)
+    arch = row.architecture
+    shape = row.shape
     kind = GPU_KINDS[row.gpu]
     h = shape["hidden_size"]
     n_layers = shape["num_layers"]
-    moe_layers = tuple(range(shape["first_moe"], n_layers))
+    moe_layers = tuple(range(shape["first_dense_layers"], n_layers))
     model = MoEModel(
-        name=row.model,
+        name=row.family,
         num_layers=n_layers,
         moe_layers=moe_layers,
         num_experts=shape["num_experts"],
@@ -304,7 +423,7 @@ def row_instance(row: LadderRow, performance: Performance, *, sampled_pairs: int
         dispatch_bytes_per_token=dispatch_bytes_fp8(h) if row.dispatch_precision == "fp8" else combine_bytes_bf16(h),
         combine_bytes_per_token=combine_bytes_bf16(h),
     )
-    sizes = _stage_sizes(n_layers, row.pp, row.mtp_num_layers)
+    sizes = _stage_sizes(n_layers, row.pp, arch.mtp_num_layers)
     bounds = np.cumsum((0,) + sizes)
     parallel = ParallelLayout(
         tp=row.tp,
@@ -400,7 +519,7 @@ class Calibration:
 
 
 class _Row:
-    """A row with its instance, placement and metrics, computed once."""
+    """A row with its instance, placement, metrics and step-time model, computed once."""
 
     def __init__(self, row: LadderRow, base: Performance):
         self.row = row
@@ -410,37 +529,161 @@ class _Row:
         e = inst.model.num_experts
         placement = Placement(rank2gpu=self.rank2gpu, phy2log=np.tile(np.arange(e), (inst.model.num_moe_layers, 1)))
         self.metrics = evaluate(inst, placement)
-
-    def predict(self, perf: Performance) -> tuple[float, float]:
-        """(tflops, tokens/s) per GPU predicted with ``perf``'s tunable values."""
-        assert self.instance.performance is not None
-        p = dataclasses.replace(
-            self.instance.performance,
-            gemm_efficiency=perf.gemm_efficiency,
-            layer_overhead_s=perf.layer_overhead_s,
-            expert_gemm_efficiency=perf.expert_gemm_efficiency,
-            overlap_efficiency=perf.overlap_efficiency,
-            dispatcher=self.row.dispatcher,
+        assert inst.performance is not None
+        self.perf = dataclasses.replace(
+            inst.performance,
+            dispatcher=row.dispatcher,
             nvlink_dispatch_efficiency=0.0,
             nvlink_combine_efficiency=0.0,
             nic_efficiency=0.0,
             comm_sms=0,
         )
-        pred = StepTimeModel(self.instance, p).predict_metrics(self.metrics, self.rank2gpu)
+        self.model = StepTimeModel(inst, self.perf)
+        self.flops_per_token = self.model.flops_per_token
+
+    def predict(self, values: dict[str, float]) -> tuple[float, float]:
+        """(tflops, tokens/s) per GPU with the compute values ``values`` (field name -> value).
+
+        ``layer_overhead_s`` (host launch gaps per layer) is not paid by a recipe that captures the
+        whole iteration in one CUDA graph (``cuda_graphs: full_iteration``).
+        """
+        if self.row.cuda_graphs == "full_iteration" and "layer_overhead_s" in values:
+            values = {**values, "layer_overhead_s": 0.0}
+        p = dataclasses.replace(self.perf, **values)  # type: ignore[arg-type]
+        pred = self.model.repriced(p).predict_metrics(self.metrics, self.rank2gpu)
         return pred.tflops_per_gpu, pred.tokens_per_s_per_gpu
 
+    def measure(self, values: dict[str, float]) -> float:
+        tflops, tokens = self.predict(values)
+        return tflops if self.row.published[0] == "tflops" else tokens
 
-def _kind_key(gpu: str, fitted_kinds: set[str]) -> str:
-    if gpu in fitted_kinds:
-        return gpu
-    if gpu == "h800" and "h100" in fitted_kinds:
-        return "h100"
-    return gpu
+
+def ceiling_for(gpu: str, ceilings: dict[str, float], default: float) -> tuple[float, str]:
+    """The GEMM ceiling of ``gpu`` from the fitted ``ceilings`` and where it came from.
+
+    Its own fitted value; else the same chip's (H800 = H100); else its sibling's (the same chip in
+    the other form factor: GB300 = B300, GB200 = B200); else the median of the fitted ceilings
+    ("pooled"); ``default`` when nothing was fitted.
+    """
+    if gpu in ceilings:
+        return ceilings[gpu], "fitted"
+    for table, how in ((SAME_CHIP, "same chip"), (SIBLING, "sibling")):
+        other = table.get(gpu)
+        if other in ceilings:
+            return ceilings[other], f"{how} {other}"
+    if ceilings:
+        return float(np.median(list(ceilings.values()))), "pooled"
+    return default, "default"
+
+
+def _check_fit(fit: Sequence[str]) -> tuple[bool, list[str]]:
+    unknown = [f for f in fit if f not in FITTABLE]
+    if unknown:
+        raise InvalidInputError(f"--fit: unknown parameter {unknown[0]!r} (choose from {', '.join(FITTABLE)})")
+    shared = [f for f in SHARED_FITTABLE if f in fit]
+    if len(shared) > MAX_SHARED:
+        raise InvalidInputError(f"--fit: at most {MAX_SHARED} shared parameters")
+    return "gemm_efficiency" in fit, shared
+
+
+@dataclass(frozen=True)
+class _Fit:
+    ceilings: dict[str, float]  # GPU kind -> fitted ceiling (kinds with a training row)
+    ratios: dict[str, float]  # GPU kind -> fitted FP8 ratio (kinds with BF16 and FP8 training rows)
+    shared: dict[str, float]
+    default_ceiling: float
+    default_ratio: float
+
+    def values(self, gpu: str) -> dict[str, float]:
+        c, _ = ceiling_for(gpu, self.ceilings, self.default_ceiling)
+        r, _ = ceiling_for(gpu, self.ratios, self.default_ratio)
+        return {"gemm_efficiency": c, "fp8_gemm_ratio": r, **self.shared}
+
+
+def _fit(prepared: Sequence[_Row], train: Sequence[int], fit: Sequence[str], base: Performance) -> _Fit:
+    """Least squares in log error over the rows ``train``: per GPU kind among them a ceiling (H800
+    rows fit H100's: the same chip) and, where the kind has both BF16 and FP8 rows, its FP8 ratio;
+    and the shared values named in ``fit``.  A kind without its own value takes
+    :func:`ceiling_for`'s same-chip, sibling or pooled one, recomputed at every step of the fit."""
+    per_kind, shared = _check_fit(fit)
+    rows = [prepared[i] for i in train]
+
+    def chip(gpu: str) -> str:
+        return SAME_CHIP["h800"] if gpu == "h800" else gpu
+
+    kinds = sorted({chip(p.row.gpu) for p in rows}) if per_kind else []
+    both = [k for k in kinds if len({p.row.precision == "bf16" for p in rows if chip(p.row.gpu) == k}) == 2]
+    ratio_kinds = both if "fp8_gemm_ratio" in fit else []
+    default_ceiling = base.gemm_efficiency
+    # Neutral starting values, never the shipped constants (which were fitted on every row).
+    names = ["gemm_efficiency"] * len(kinds) + ["fp8_gemm_ratio"] * len(ratio_kinds) + shared
+    x0 = np.array([_START[n] for n in names], dtype=np.float64)
+    lo = np.array([_BOUNDS[n][0] for n in names])
+    hi = np.array([_BOUNDS[n][1] for n in names])
+    nk, nr = len(kinds), len(ratio_kinds)
+
+    def unpack(x: np.ndarray) -> _Fit:
+        ceilings = {k: float(v) for k, v in zip(kinds, x[:nk])}
+        ratios = {k: float(v) for k, v in zip(ratio_kinds, x[nk : nk + nr])}
+        default_ratio = FP8_RATIO_UNFITTED if "fp8_gemm_ratio" in fit else base.fp8_gemm_ratio
+        return _Fit(ceilings, ratios, {n: float(v) for n, v in zip(shared, x[nk + nr :])}, default_ceiling, default_ratio)
+
+    def values(f: _Fit, gpu: str) -> dict[str, float]:
+        out = f.values(gpu)
+        if not per_kind:
+            out["gemm_efficiency"] = GPU_KINDS[gpu].gemm_efficiency or default_ceiling
+        if "fp8_gemm_ratio" not in fit:
+            out["fp8_gemm_ratio"] = GPU_KINDS[gpu].fp8_gemm_ratio or FP8_GEMM_RATIO
+        return out
+
+    if not rows or x0.size == 0:
+        f = unpack(x0)
+    else:
+        def residuals(x: np.ndarray) -> np.ndarray:
+            f = unpack(x)
+            return np.array([np.log(p.measure(values(f, p.row.gpu)) / p.row.published[1]) for p in rows])
+
+        x_start = np.clip(x0, lo + 1e-9, hi - 1e-9)
+        res = least_squares(
+            residuals, x_start, bounds=(lo, hi), x_scale=np.maximum(np.abs(x_start), 1e-3), xtol=1e-8, ftol=1e-10
+        )
+        f = unpack(res.x)
+    if per_kind and "fp8_gemm_ratio" in fit:
+        return f
+    # Parameters not fitted keep the shipped values: expressed through the per-kind tables.
+    ceilings = f.ceilings if per_kind else {k: GPU_KINDS[k].gemm_efficiency or default_ceiling for k in GPU_KINDS}
+    ratios = f.ratios if "fp8_gemm_ratio" in fit else {k: GPU_KINDS[k].fp8_gemm_ratio or FP8_GEMM_RATIO for k in GPU_KINDS}
+    return dataclasses.replace(f, ceilings=ceilings, ratios=ratios)
+
+
+def _result(p: _Row, values: dict[str, float]) -> RowResult:
+    tflops, tokens = p.predict(values)
+    what, published = p.row.published
+    predicted = tflops if what == "tflops" else tokens
+    ratio = None
+    if p.row.tflops_per_gpu is not None and p.row.tokens_per_s_per_gpu is not None:
+        ratio = p.row.tflops_per_gpu * 1e12 / p.row.tokens_per_s_per_gpu / p.flops_per_token - 1.0
+    return RowResult(
+        name=p.row.name,
+        gpu=p.row.gpu,
+        fit=p.row.fit,
+        measure=what,
+        published=published,
+        predicted=predicted,
+        error=predicted / published - 1.0,
+        predicted_tflops_per_gpu=tflops,
+        predicted_tokens_per_s_per_gpu=tokens,
+        flops_ratio_error=ratio,
+    )
+
+
+def _base(base: Performance | None) -> Performance:
+    return base or Performance(gpu="gb300", precision="mxfp8", architecture=DEEPSEEK_V3)
 
 
 def calibrate(
     rows: Sequence[LadderRow],
-    fit: Sequence[str] = ("gemm_efficiency",),
+    fit: Sequence[str] = DEFAULT_FIT,
     *,
     base: Performance | None = None,
 ) -> Calibration:
@@ -449,93 +692,153 @@ def calibrate(
     Parameters
     ----------
     rows : the ladder (:func:`read_ladder`).
-    fit : parameter names from :data:`FITTABLE`; ``gemm_efficiency`` is one value per GPU kind
-        with a fitted row; at most two shared ones.
+    fit : parameter names from :data:`FITTABLE`; ``gemm_efficiency`` is one ceiling per GPU kind
+        with a fitted row (a kind without one: :func:`ceiling_for`); at most three shared ones.
     base : starting values (default: the package defaults).
 
     Returns
     -------
     Calibration; fitted values minimise the squared log errors of the fitted rows (least squares).
     """
-    unknown = [f for f in fit if f not in FITTABLE]
-    if unknown:
-        raise InvalidInputError(f"--fit: unknown parameter {unknown[0]!r} (choose from {', '.join(FITTABLE)})")
-    shared = [f for f in fit if f in SHARED_FITTABLE]
-    if len(shared) > 2:
-        raise InvalidInputError("--fit: at most two shared parameters")
-    base = base or Performance(gpu="gb300", precision="mxfp8", architecture=DEEPSEEK_V3)
+    _check_fit(fit)
+    base = _base(base)
     prepared = [_Row(r, base) for r in rows]
-    fit_rows = [p for p in prepared if p.row.fit]
-    kinds = sorted({p.row.gpu for p in fit_rows}) if "gemm_efficiency" in fit else []
-    default_eff = {k: (GPU_KINDS[k].gemm_efficiency or base.gemm_efficiency) for k in GPU_KINDS}
-    names = [f"gemm_efficiency:{k}" for k in kinds] + shared
-    x0 = np.array([default_eff[k] for k in kinds] + [getattr(base, s) or 1e-4 for s in shared], dtype=np.float64)
-    lower = np.array([0.01] * len(kinds) + [0.0 if s == "layer_overhead_s" else 0.05 for s in shared])
-    upper = np.array([1.0] * len(kinds) + [0.05 if s == "layer_overhead_s" else 1.0 for s in shared])
-    kind_set = set(kinds)
+    train = [i for i, p in enumerate(prepared) if p.row.fit]
+    f = _fit(prepared, train, fit, base)
 
-    def perf_for(x: np.ndarray, gpu: str) -> Performance:
-        eff = dict(default_eff)
-        eff.update({k: float(v) for k, v in zip(kinds, x[: len(kinds)])})
-        p = dataclasses.replace(base, gemm_efficiency=eff[_kind_key(gpu, kind_set)])
-        for name, v in zip(shared, x[len(kinds) :]):
-            p = dataclasses.replace(p, **{name: float(v)})  # type: ignore[arg-type]
-        return p
+    def values(gpu: str) -> dict[str, float]:
+        return f.values(gpu)
 
-    def measure(p: _Row, x: np.ndarray) -> float:
-        tflops, tokens = p.predict(perf_for(x, p.row.gpu))
-        return tflops if p.row.published[0] == "tflops" else tokens
-
-    if names and fit_rows:
-        def residuals(x: np.ndarray) -> np.ndarray:
-            return np.array([np.log(measure(p, x) / p.row.published[1]) for p in fit_rows])
-
-        res = least_squares(
-            residuals,
-            np.clip(x0, lower, upper),
-            bounds=(lower, upper),
-            x_scale=np.maximum(np.abs(x0), 1e-3),
-            xtol=1e-10,
-            ftol=1e-12,
-        )
-        x = res.x
-    else:
-        x = x0
-    results = []
-    for p in prepared:
-        tflops, tokens = p.predict(perf_for(x, p.row.gpu))
-        what, published = p.row.published
-        predicted = tflops if what == "tflops" else tokens
-        ratio = None
-        if p.row.tflops_per_gpu is not None and p.row.tokens_per_s_per_gpu is not None:
-            flops = StepTimeModel(p.instance).flops_per_token
-            ratio = p.row.tflops_per_gpu * 1e12 / p.row.tokens_per_s_per_gpu / flops - 1.0
-        results.append(
-            RowResult(
-                name=p.row.name,
-                gpu=p.row.gpu,
-                fit=p.row.fit,
-                measure=what,
-                published=published,
-                predicted=predicted,
-                error=predicted / published - 1.0,
-                predicted_tflops_per_gpu=tflops,
-                predicted_tokens_per_s_per_gpu=tokens,
-                flops_ratio_error=ratio,
-            )
-        )
+    results = [_result(p, values(p.row.gpu)) for p in prepared]
     unfitted = [abs(r.error) for r in results if not r.fit]
-    fitted = {n: float(v) for n, v in zip(names, x)}
-    per_gpu = {k: float(v) for k, v in zip(kinds, x[: len(kinds)])}
-    first = fit_rows[0].row if fit_rows else rows[0]
-    perf = dataclasses.replace(perf_for(x, first.gpu), gpu=first.gpu, precision=first.precision, dispatcher=first.dispatcher)
+    fitted = {}
+    if "gemm_efficiency" in fit:
+        fitted.update({f"gemm_efficiency:{k}": v for k, v in f.ceilings.items()})
+    if "fp8_gemm_ratio" in fit:
+        fitted.update({f"fp8_gemm_ratio:{k}": v for k, v in f.ratios.items()})
+    fitted.update(f.shared)
+    first = prepared[train[0]].row if train else rows[0]
+    perf = dataclasses.replace(
+        base, gpu=first.gpu, precision=first.precision, dispatcher=first.dispatcher, architecture=first.architecture
+    )
+    perf = dataclasses.replace(perf, **values(first.gpu))  # type: ignore[arg-type]
     return Calibration(
         fitted=fitted,
         results=results,
         median_abs_error_unfitted=float(np.median(unfitted)) if unfitted else None,
         performance=perf,
-        gemm_efficiency_per_gpu=per_gpu,
+        gemm_efficiency_per_gpu=dict(f.ceilings) if "gemm_efficiency" in fit else {},
     )
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """One row predicted by a fit that did not see it (nor any row of its configuration or family)."""
+
+    name: str
+    family: str
+    gpu: str
+    published: float
+    predicted: float
+    error: float
+    ceiling_from: str  # "fitted", "same chip h100", "sibling b300", "pooled"
+
+
+@dataclass(frozen=True)
+class CrossValidation:
+    """Leave-one-configuration-out (LOCO) and leave-one-model-family-out (LOFO) errors."""
+
+    loco: list[HeldOut]
+    lofo: list[HeldOut]
+
+    @property
+    def loco_median(self) -> float:
+        return float(np.median([abs(r.error) for r in self.loco]))
+
+    def lofo_median(self) -> dict[str, float]:
+        fams = sorted({r.family for r in self.lofo})
+        return {f: float(np.median([abs(r.error) for r in self.lofo if r.family == f])) for f in fams}
+
+    def to_dict(self) -> dict:
+        return {
+            "loco": [dataclasses.asdict(r) for r in self.loco],
+            "lofo": [dataclasses.asdict(r) for r in self.lofo],
+            "loco_median_abs_error": self.loco_median,
+            "lofo_median_abs_error": self.lofo_median(),
+        }
+
+
+def cross_validate(
+    rows: Sequence[LadderRow],
+    fit: Sequence[str] = DEFAULT_FIT,
+    *,
+    base: Performance | None = None,
+    folds: Sequence[str] = ("loco", "lofo"),
+    only: Sequence[str] | None = None,
+) -> CrossValidation:
+    """Hold out each configuration (every release of it) and each model family in turn, fit on the
+    rest of the ladder (every row, whatever its ``fit`` mark), and predict what was held out.
+
+    A held-out row's GPU kind with no row left in the fit takes :func:`ceiling_for`'s same-chip,
+    sibling or pooled ceiling, never a value fitted on the held-out rows.  ``only`` restricts the
+    held-out configurations to those of the named rows (a reduced run for tests).
+    """
+    _check_fit(fit)
+    base = _base(base)
+    prepared = [_Row(r, base) for r in rows]
+    loco: list[HeldOut] = []
+    lofo: list[HeldOut] = []
+
+    def held(out: list[HeldOut], members: list[int]) -> None:
+        members_set = set(members)
+        train = [i for i in range(len(prepared)) if i not in members_set]
+        f = _fit(prepared, train, fit, base)
+        for i in members:
+            p = prepared[i]
+            values = f.values(p.row.gpu)
+            _, how = ceiling_for(p.row.gpu, f.ceilings, f.default_ceiling)
+            r = _result(p, values)
+            out.append(HeldOut(p.row.name, p.row.family, p.row.gpu, r.published, r.predicted, r.error, how))
+
+    wanted = set(only) if only is not None else None
+    if "loco" in folds:
+        configs: dict[tuple, list[int]] = {}
+        for i, p in enumerate(prepared):
+            configs.setdefault(p.row.configuration, []).append(i)
+        for members in configs.values():
+            if wanted is None or any(prepared[i].row.name in wanted for i in members):
+                held(loco, members)
+    if "lofo" in folds:
+        families: dict[str, list[int]] = {}
+        for i, p in enumerate(prepared):
+            families.setdefault(p.row.family, []).append(i)
+        for fam, members in families.items():
+            if wanted is None or any(prepared[i].row.name in wanted for i in members):
+                held(lofo, members)
+    order = {r.name: i for i, r in enumerate(rows)}
+    loco.sort(key=lambda r: order[r.name])
+    lofo.sort(key=lambda r: order[r.name])
+    return CrossValidation(loco, lofo)
+
+
+def format_cross_validation(cv: CrossValidation) -> str:
+    """The LOCO and LOFO tables as the CLI prints them."""
+    lines = []
+    for title, rows in (("leave-one-configuration-out (LOCO)", cv.loco), ("leave-one-model-family-out (LOFO)", cv.lofo)):
+        if not rows:
+            continue
+        lines.append(title)
+        lines.append(f"  {'row':34} {'family':16} {'gpu':6} {'published':>10} {'predicted':>10} {'error':>8}  ceiling")
+        for r in rows:
+            lines.append(
+                f"  {r.name:34} {r.family:16} {r.gpu:6} {r.published:10.1f} {r.predicted:10.1f} {100 * r.error:+7.1f}%  {r.ceiling_from}"
+            )
+    if cv.loco:
+        lines.append(f"LOCO median absolute error over {len(cv.loco)} rows: {100 * cv.loco_median:.1f}%")
+    for fam, med in cv.lofo_median().items():
+        n = sum(1 for r in cv.lofo if r.family == fam)
+        lines.append(f"LOFO median absolute error, {fam} ({n} rows): {100 * med:.1f}%")
+    return "\n".join(lines)
 
 
 def format_table(cal: Calibration) -> str:

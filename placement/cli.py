@@ -571,10 +571,19 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from placement.api import calibrate
     from placement.formats import atomic_write_bytes
 
-    fit = [f for f in (args.fit or "gemm_efficiency").split(",") if f]
-    cal = calibrate(args.rows, fit)
-    from placement.calibration import format_table
+    from placement.calibration import DEFAULT_FIT, format_table
 
+    fit = [f for f in args.fit.split(",") if f] if args.fit else list(DEFAULT_FIT)
+    if args.cross_validate:
+        from placement.calibration import cross_validate, default_ladder_path, format_cross_validation, read_ladder
+
+        cv = cross_validate(read_ladder(args.rows or default_ladder_path()), fit)
+        print(format_cross_validation(cv))
+        if args.output:
+            atomic_write_bytes(args.output, (json.dumps(cv.to_dict(), indent=1, sort_keys=True) + "\n").encode())
+            print(f"wrote {args.output}")
+        return EXIT_OK
+    cal = calibrate(args.rows, fit)
     print(format_table(cal))
     if args.output:
         doc = cal.to_dict()
@@ -802,8 +811,13 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("rows", nargs="?", default=None,
                     help="ladder file of measured runs (docs/formats.md; default: the published ladder shipped with the package)")
     ca.add_argument("--fit", default=None, metavar="NAMES",
-                    help="comma-separated parameters to fit on the rows marked fit: gemm_efficiency (one per GPU kind), "
-                         "layer_overhead_s, expert_gemm_efficiency, overlap_efficiency (default gemm_efficiency)")
+                    help="comma-separated parameters to fit on the rows marked fit: gemm_efficiency (one ceiling per GPU "
+                         "kind) and at most three of gemm_half_shape, fp8_gemm_ratio, elementwise_bytes, layer_overhead_s, "
+                         "expert_gemm_efficiency, overlap_efficiency (default gemm_efficiency,gemm_half_shape,"
+                         "fp8_gemm_ratio,elementwise_bytes)")
+    ca.add_argument("--cross-validate", action="store_true",
+                    help="print leave-one-configuration-out and leave-one-model-family-out errors of every row "
+                         "(each fit on all other rows; docs/performance.md)")
     ca.add_argument("-o", "--output", help="write the fitted performance block and every row's prediction (JSON, atomic)")
 
     sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")

@@ -250,8 +250,8 @@ INSTANCE_SPEC = Obj(
                     unit="10^12 FLOP/s",
                 ),
                 "gemm_efficiency": Num(
-                    "Dense GEMMs' achieved fraction of the peak (default: the GPU kind's value fitted on the "
-                    "published ladder); at most 1.",
+                    "GEMM ceiling: a large BF16 GEMM's achieved fraction of the BF16 peak (default: the GPU "
+                    "kind's value fitted on the published ladder); at most 1.",
                     exclusive_minimum=0,
                 ),
                 "layer_overhead_s": Num(
@@ -313,9 +313,25 @@ INSTANCE_SPEC = Obj(
                     minimum=0,
                 ),
                 "expert_gemm_efficiency": Num(
-                    "Routed experts' grouped GEMMs' fraction of the peak (default 0.534, NVIDIA's MXFP8 "
-                    "grouped GEMM on GB200).",
+                    "Routed experts' grouped GEMMs over dense GEMMs of the same shape (default 1).",
                     exclusive_minimum=0,
+                ),
+                "gemm_half_shape": Num(
+                    "GEMM dimension that halves the rate, s(x) = x / (x + this) per dimension (default: "
+                    "fitted on the ladder).",
+                    minimum=0,
+                    unit="elements",
+                ),
+                "fp8_gemm_ratio": Num(
+                    "An FP8/MXFP8/NVFP4 GEMM's share of its peak over a BF16 GEMM's of the BF16 peak "
+                    "(default: fitted on the ladder); at most 1.",
+                    exclusive_minimum=0,
+                ),
+                "elementwise_bytes": Num(
+                    "HBM bytes of the non-GEMM work per token copy and hidden element per layer, "
+                    "forward plus backward (default: fitted on the ladder).",
+                    minimum=0,
+                    unit="bytes",
                 ),
                 "capacity_factor": Num(
                     "Per-rank token capacity over the mean; tokens over it are dropped (0 = dropless, the "
@@ -377,6 +393,9 @@ INSTANCE_SPEC = Obj(
                     "overlap_efficiency",
                     "expert_gemm_efficiency",
                     "capacity_factor",
+                    "gemm_half_shape",
+                    "fp8_gemm_ratio",
+                    "elementwise_bytes",
                 }
             ),
         ),
@@ -655,6 +674,7 @@ def _check_performance(doc: dict, where: Path) -> None:
     for key in (
         "gemm_efficiency",
         "expert_gemm_efficiency",
+        "fp8_gemm_ratio",
         "nvlink_dispatch_efficiency",
         "nvlink_combine_efficiency",
         "nic_efficiency",

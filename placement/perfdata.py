@@ -22,6 +22,9 @@ GPU kinds (dense peaks, no sparsity; NVLink and NIC per GPU, one direction)
   trays carry ConnectX-7 400 Gb/s NICs (50 GB/s per GPU).  148 SMs.
 - GB300 NVL72: GB200's BF16/FP8 peaks, 1,080 PFLOPS dense FP4 per rack (15,000 per GPU);
   ConnectX-8 SuperNICs 800 Gb/s (100 GB/s per GPU).  160 SMs.
+- HBM bandwidth per GPU (``hbm_gbps``, the non-GEMM work of :mod:`placement.compute`): H100 SXM
+  and H800 3.35 TB/s (H100 datasheet), every Blackwell kind 8 TB/s (DGX B200 datasheet: 64 TB/s
+  for 8 GPUs; GB200 NVL72: 576 TB/s for 72; B300 and GB300 the same per GPU).
 
 Dispatchers (achieved all-to-all bandwidth as a fraction of the link's one-way spec)
 ------------------------------------------------------------------------------------
@@ -54,6 +57,10 @@ __all__ = [
     "DISPATCHERS",
     "CALIBRATED_GEMM_EFFICIENCY",
     "EXPERT_GEMM_EFFICIENCY",
+    "GEMM_HALF_SHAPE",
+    "FP8_GEMM_RATIO",
+    "ELEMENTWISE_BYTES",
+    "LAYER_OVERHEAD_S",
     "GpuKind",
     "Dispatcher",
     "Architecture",
@@ -68,13 +75,26 @@ OVERLAP_MODES: tuple[str, ...] = ("none", "1f1b")
 EXPERT_LOAD_MODES: tuple[str, ...] = ("routing", "balanced")
 SCHEDULES: tuple[str, ...] = ("1f1b",)
 
-# Fitted by ``placement calibrate`` on the ladder (placement/data/ladder.json, ``--fit
-# gemm_efficiency``): one dense GEMM efficiency per GPU kind (GpuKind.gemm_efficiency, 4 digits);
-# this default is GB300's.  tests/test_performance.py re-fits and checks every value.
-CALIBRATED_GEMM_EFFICIENCY = 0.3349
-# NVIDIA's MXFP8 grouped GEMM on GB200: 2,672 TFLOP/s at K=7168, N=2048 of a 5,000 TFLOP/s dense
-# peak (the GB200 write-up, section 1, item 3).
-EXPERT_GEMM_EFFICIENCY = 0.534
+# Fitted by ``placement calibrate`` on every row of the ladder (placement/data/ladder.json, the
+# default ``--fit``): per GPU kind a GEMM ceiling (GpuKind.gemm_efficiency: a large BF16 GEMM's
+# fraction of the BF16 peak, 4 digits; this default is GB300's) and, where identified, the FP8
+# ratio, and three shared values of the compute model (:mod:`placement.compute`).  tests/test_calibration.py re-fits and checks them.
+CALIBRATED_GEMM_EFFICIENCY = 0.9345
+# Elements: a GEMM dimension of this size halves the rate.  The fit sits at its lower bound, one
+# 128-wide tensor-core tile: the ladder's shapes are all large enough that the non-GEMM HBM work
+# (ELEMENTWISE_BYTES) explains the small models' lower rate better than GEMM size does.
+GEMM_HALF_SHAPE = 128.0
+# An FP8 GEMM's share of the FP8 peak over a BF16 GEMM's of the BF16 peak: fitted per GPU kind that
+# has both BF16 and FP8 rows (GpuKind.fp8_gemm_ratio); this pooled median serves the others.
+FP8_GEMM_RATIO = 0.6083
+ELEMENTWISE_BYTES = 95.3202  # HBM bytes per token copy and hidden element per layer, forward + backward
+# Host launch gaps per layer and micro-batch (forward + backward), not paid by recipes that capture
+# the whole iteration in one CUDA graph.
+LAYER_OVERHEAD_S = 0.002606
+# Routed experts' grouped GEMMs over dense GEMMs of the same shape (1: the shape model prices them;
+# NVIDIA's MXFP8 grouped GEMM on GB200, 2,672 of 5,000 TFLOP/s at K=7168, N=2048, sits within the
+# shape model's band).
+EXPERT_GEMM_EFFICIENCY = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,7 +102,8 @@ class GpuKind:
     """One GPU kind: dense (no sparsity) peaks per precision and its links (module docstring).
 
     ``nvlink_gbps`` and ``nic_gbps`` are per GPU and direction, 10^9 bytes/s; ``gemm_efficiency``
-    is the dense GEMM efficiency fitted on the ladder for this kind (0 = the shared default).
+    is the GEMM ceiling fitted on the ladder for this kind: a large BF16 GEMM's fraction of the BF16
+    peak (0 = the shared default); ``hbm_gbps`` the HBM bandwidth, 10^9 bytes/s.
     """
 
     name: str
@@ -92,18 +113,20 @@ class GpuKind:
     nic_gbps: float
     sm_count: int
     gemm_efficiency: float = 0.0
+    hbm_gbps: float = 8000.0
+    fp8_gemm_ratio: float = 0.0  # fitted where the ladder has both BF16 and FP8 rows (0 = pooled)
 
 
 _BLACKWELL = {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0}
 _HGX_BLACKWELL = {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0}
 _HOPPER = {"bf16": 989.0, "fp8": 1979.0, "mxfp8": 1979.0, "nvfp4": 1979.0}
 GPU_KINDS: dict[str, GpuKind] = {
-    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132, 0.1985),
-    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132, 0.1985),  # H100's (no fitted H800 row)
-    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148, 0.2538),
-    "b300": GpuKind("b300", {**_HGX_BLACKWELL, "nvfp4": 13500.0}, 8, 900.0, 100.0, 160, 0.3147),
-    "gb200": GpuKind("gb200", {**_BLACKWELL, "nvfp4": 10000.0}, 72, 900.0, 50.0, 148, 0.2586),
-    "gb300": GpuKind("gb300", {**_BLACKWELL, "nvfp4": 15000.0}, 72, 900.0, 100.0, 160, 0.3349),
+    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132, 0.5585, 3350.0),
+    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132, 0.5585, 3350.0),  # H100's ceiling: the same chip
+    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148, 0.6584),
+    "b300": GpuKind("b300", {**_HGX_BLACKWELL, "nvfp4": 13500.0}, 8, 900.0, 100.0, 160, 0.7484),
+    "gb200": GpuKind("gb200", {**_BLACKWELL, "nvfp4": 10000.0}, 72, 900.0, 50.0, 148, 0.6514, fp8_gemm_ratio=0.6394),
+    "gb300": GpuKind("gb300", {**_BLACKWELL, "nvfp4": 15000.0}, 72, 900.0, 100.0, 160, 0.9345, fp8_gemm_ratio=0.5771),
 }
 
 
@@ -203,16 +226,23 @@ class Performance:
     the achieved bandwidth fractions ``nvlink_dispatch_efficiency``, ``nvlink_combine_efficiency``,
     ``nic_efficiency`` and of ``comm_sms`` (each 0 = the dispatcher's value, resolved at
     construction).  ``overlap_efficiency``: the share of an overlapped transfer that really hides
-    (1 = all of it up to its compute partner).  ``expert_gemm_efficiency``: routed-expert grouped
-    GEMMs' fraction of the peak.  ``capacity_factor``: per-rank token capacity over the mean
-    (0 = dropless); tokens over it are dropped (not computed).
+    (1 = all of it up to its compute partner).  ``capacity_factor``: per-rank token capacity over
+    the mean (0 = dropless); tokens over it are dropped (not computed).
+
+    Compute (:mod:`placement.compute`): ``gemm_efficiency`` is the GEMM ceiling (a large BF16
+    GEMM's fraction of the BF16 peak), ``fp8_gemm_ratio`` an FP8/MXFP8/NVFP4 GEMM's share of its
+    own peak relative to that (0 = the GPU kind's fitted value, else the pooled one),
+    ``gemm_half_shape`` the GEMM dimension (elements) that halves the rate, ``elementwise_bytes``
+    the HBM bytes of the non-GEMM work per token copy and hidden element per layer,
+    ``layer_overhead_s`` host launch gaps per layer, ``expert_gemm_efficiency`` the routed
+    experts' grouped GEMMs over dense GEMMs of the same shape (1 by default).
     """
 
     gpu: str
     precision: str
     architecture: Architecture
     gemm_efficiency: float = 0.0
-    layer_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0  # current recipes capture the iteration in CUDA graphs; else LAYER_OVERHEAD_S
     schedule: str = "1f1b"
     vpp: int = 1
     overlap: str = "1f1b"
@@ -228,6 +258,9 @@ class Performance:
     overlap_efficiency: float = 1.0
     expert_gemm_efficiency: float = EXPERT_GEMM_EFFICIENCY
     capacity_factor: float = 0.0
+    gemm_half_shape: float = GEMM_HALF_SHAPE
+    fp8_gemm_ratio: float = 0.0
+    elementwise_bytes: float = ELEMENTWISE_BYTES
 
     def __post_init__(self) -> None:
         d = DISPATCHERS.get(self.dispatcher, _DEEPEP)
@@ -237,9 +270,11 @@ class Performance:
             "nic_efficiency": d.nic,
             "comm_sms": d.comm_sms,
         }
+        kind = GPU_KINDS.get(self.gpu)
         if not self.gemm_efficiency:
-            kind = GPU_KINDS.get(self.gpu)
             defaults["gemm_efficiency"] = (kind.gemm_efficiency if kind else 0.0) or CALIBRATED_GEMM_EFFICIENCY
+        if not self.fp8_gemm_ratio:
+            defaults["fp8_gemm_ratio"] = (kind.fp8_gemm_ratio if kind else 0.0) or FP8_GEMM_RATIO
         for name, value in defaults.items():
             if not getattr(self, name):
                 object.__setattr__(self, name, value)

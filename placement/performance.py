@@ -30,10 +30,11 @@ per GPU = tokens of a global batch / step time / GPUs.
 
 Time of one micro-batch on one GPU, layer ``l`` (forward = 1/3 of the FLOPs, backward 2/3):
 
-- compute ``c_l = attn_l + mlp_l``: ``attn_l`` = the dense FLOPs (attention, dense MLP, shared
-  expert) at ``peak * gemm_efficiency`` (the attention's score/value products at the BF16 peak)
-  plus ``layer_overhead_s``; ``mlp_l`` = the routed experts' FLOPs at the mean load, at ``peak *
-  expert_gemm_efficiency``, times the busiest GPU's load of one micro-batch
+- compute ``c_l = attn_l + mlp_l`` (:mod:`placement.compute`: every GEMM at ``ceiling x peak x
+  s(M) s(N) s(K)``, the attention's score/value products at the BF16 peak, non-GEMM work at the
+  HBM bandwidth): ``attn_l`` = attention, dense MLP or shared expert, plus ``layer_overhead_s``;
+  ``mlp_l`` = the routed experts at the mean load (``E / ep`` grouped GEMMs of ``M = tokens x ep x
+  top_k / E`` rows), times the busiest GPU's load of one micro-batch
   (:func:`per_microbatch_load` of ``Metrics.expert_load_max_over_mean_per_layer``, 1 with
   ``expert_load: balanced``), capped at ``capacity_factor`` when one is set (tokens over it are
   dropped).  The last stage adds the output layer(s) and the MTP layers (MTP MoE layer ``j`` priced
@@ -67,7 +68,7 @@ exposed data-parallel time.
 Not modelled (absorbed by the fitted efficiency): recomputation, the optimizer step, stragglers,
 host (CPU) overhead, kernel launch gaps other than ``layer_overhead_s``.
 
-Calibration: ``gemm_efficiency`` is fitted per GPU kind on the published ladder
+Calibration: the GEMM ceiling (and FP8 ratio) is fitted per GPU kind on the published ladder
 (:mod:`placement.calibration`, ``placement calibrate``); the README has the table with every error.
 :func:`performance_settings` gives the ``low``/``mid``/``high`` variants of the uncertain terms.
 
@@ -79,12 +80,14 @@ the DP groups.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from placement.compute import ComputeRates, attention_gemms, expert_gemms, head_gemms, mlp_gemms
 from placement.perfdata import (
     CALIBRATED_GEMM_EFFICIENCY,
     DEEPSEEK_V3,
@@ -367,57 +370,10 @@ class StepTimeModel:
         arch = perf.architecture
         self.micro_batches = par.micro_batches_per_step
         tokens_mb = par.micro_batch * par.seq_len / (par.tp * par.cp)  # tokens per GPU per micro-batch
-        rate = perf.peak_flops_per_s * perf.gemm_efficiency
-        rate_bf16 = perf.bf16_peak_flops_per_s * perf.gemm_efficiency
-        rate_expert = perf.peak_flops_per_s * perf.expert_gemm_efficiency
-        core = attention_core_flops_per_token(arch, par.seq_len)
         moe_pos = {layer: i for i, layer in enumerate(m.moe_layers)}
         last_moe = (m.num_layers - 1) in moe_pos
-
-        def dense_time(d: float) -> float:
-            return ((d - core) / rate + core / rate_bf16) * tokens_mb
-
-        # Per stage: per layer (dense_s, routed_mean_s, moe index or -1, -2 for the output head).
-        dense_s: list[list[float]] = []
-        routed_s: list[list[float]] = []
-        moe_idx: list[list[int]] = []
-        for s, layers in enumerate(par.stage_layers):
-            ds, rs, mi = [], [], []
-            for layer in layers:
-                if layer >= m.num_layers:  # an MTP layer held in the stage: priced below
-                    continue
-                d, r = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, layer in moe_pos)
-                ds.append(dense_time(d))
-                rs.append(r * tokens_mb / rate_expert)
-                mi.append(moe_pos.get(layer, -1))
-            if s == par.pp - 1:
-                d, r = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, last_moe)
-                # An MTP layer's all-to-all and load: its own MoE layer when the instance has it
-                # (index num_layers + j), else the last decoder MoE layer's as a stand-in.
-                stand_in = (m.num_moe_layers - 1 - len(m.mtp_moe_layers)) if last_moe else -1
-                for j in range(arch.mtp_num_layers):
-                    own = moe_pos.get(m.num_layers + j, -1)
-                    dj, rj = (d, r) if own < 0 else layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, True)
-                    mtp_idx = own if own >= 0 else stand_in
-                    ds.append(dense_time(dj))
-                    rs.append(rj * tokens_mb / rate_expert if mtp_idx >= 0 else 0.0)
-                    mi.append(mtp_idx)
-                # Output layer(s) and MTP projections: compute without an all-to-all.
-                ds.append(_head_flops_per_token(arch, m.hidden_size) * tokens_mb / rate)
-                rs.append(0.0)
-                mi.append(-2)
-            dense_s.append(ds)
-            routed_s.append(rs)
-            moe_idx.append(mi)
-        self._dense = [np.array(x) for x in dense_s]
-        self._routed = [np.array(x) for x in routed_s]
-        self._moe_idx = [np.array(x, dtype=np.int64) for x in moe_idx]
-        self._overhead = [np.where(np.array(x) == -2, 0.0, perf.layer_overhead_s) for x in moe_idx]
-        self._all_dense = np.concatenate(self._dense)
-        self._all_routed = np.concatenate(self._routed)
-        self._all_idx = np.concatenate(self._moe_idx)
-        self._all_overhead = np.concatenate(self._overhead)
-        self._stage_of = np.repeat(np.arange(len(self._dense)), [len(x) for x in self._dense])
+        self._tokens_mb = tokens_mb
+        self._build_compute(perf)
         self._pairs_per_gpu = tokens_mb * m.top_k
         self._ep = par.ep
         # The four transfers' bytes per copy and their achieved bandwidths (bytes/s) per link.
@@ -470,6 +426,98 @@ class StepTimeModel:
         coords = par.rank_coords
         self._dense_groups = np.stack(self._dense_dp_groups(coords))
         self._expert_groups = np.stack(self._expert_dp_groups())
+
+    # -- compute ------------------------------------------------------------------------------
+    def _build_compute(self, perf: Performance) -> None:
+        """Per stage and layer: dense seconds, routed seconds at the mean load, MoE index.
+
+        Every GEMM priced at its shape (:mod:`placement.compute`); FLOPs are Megatron's count.
+        """
+        instance = self.instance
+        m, par = instance.model, instance.parallel
+        arch = perf.architecture
+        rates = ComputeRates(perf)
+        tokens_mb = self._tokens_mb
+        h, tp = m.hidden_size, par.tp
+        moe_pos = {layer: i for i, layer in enumerate(m.moe_layers)}
+        last_moe = (m.num_layers - 1) in moe_pos
+        core = attention_core_flops_per_token(arch, par.seq_len)
+        attn_gemms = attention_gemms(arch, h, tokens_mb, tp)
+        attn_s = (
+            rates.scaled_s((attention_flops_per_token(arch, h, par.seq_len) - core) * tokens_mb, attn_gemms)
+            + rates.attention_core_s(core * tokens_mb, par.seq_len)
+            + rates.elementwise_s(tokens_mb, h, 1.0)
+        )
+        f = _ffn_factor(arch)
+        dense_layer_s = attn_s + rates.scaled_s(
+            6.0 * h * arch.ffn_hidden_size * f * tokens_mb, mlp_gemms(arch, h, arch.ffn_hidden_size, tokens_mb, tp)
+        )
+        moe_dense_s = attn_s + rates.scaled_s(
+            6.0 * h * arch.shared_expert_ffn_hidden_size * f * tokens_mb,
+            mlp_gemms(arch, h, arch.shared_expert_ffn_hidden_size, tokens_mb, tp),
+        )
+        routed_layer_s = rates.scaled_s(
+            6.0 * h * arch.moe_ffn_hidden_size * m.top_k * f * tokens_mb,
+            expert_gemms(arch, h, tokens_mb, par.ep, m.num_experts, m.top_k),
+            grouped=True,
+        ) + rates.elementwise_s(tokens_mb, h, float(m.top_k))
+        head_s = rates.scaled_s(_head_flops_per_token(arch, h) * tokens_mb, head_gemms(arch, h, tokens_mb, tp))
+
+        def layer_s(moe: bool) -> tuple[float, float]:
+            return (moe_dense_s, routed_layer_s) if moe else (dense_layer_s, 0.0)
+
+        # Per stage: per layer (dense_s, routed_mean_s, moe index or -1, -2 for the output head).
+        dense_s: list[list[float]] = []
+        routed_s: list[list[float]] = []
+        moe_idx: list[list[int]] = []
+        for s, layers in enumerate(par.stage_layers):
+            ds, rs, mi = [], [], []
+            for layer in layers:
+                if layer >= m.num_layers:  # an MTP layer held in the stage: priced below
+                    continue
+                d, r = layer_s(layer in moe_pos)
+                ds.append(d)
+                rs.append(r)
+                mi.append(moe_pos.get(layer, -1))
+            if s == par.pp - 1:
+                d, r = layer_s(last_moe)
+                # An MTP layer's all-to-all and load: its own MoE layer when the instance has it
+                # (index num_layers + j), else the last decoder MoE layer's as a stand-in.
+                stand_in = (m.num_moe_layers - 1 - len(m.mtp_moe_layers)) if last_moe else -1
+                for j in range(arch.mtp_num_layers):
+                    own = moe_pos.get(m.num_layers + j, -1)
+                    dj, rj = (d, r) if own < 0 else layer_s(True)
+                    mtp_idx = own if own >= 0 else stand_in
+                    ds.append(dj)
+                    rs.append(rj if mtp_idx >= 0 else 0.0)
+                    mi.append(mtp_idx)
+                # Output layer(s) and MTP projections: compute without an all-to-all.
+                ds.append(head_s)
+                rs.append(0.0)
+                mi.append(-2)
+            dense_s.append(ds)
+            routed_s.append(rs)
+            moe_idx.append(mi)
+        self.dense_layer_s = dense_layer_s
+        self.moe_layer_s = moe_dense_s + routed_layer_s
+        self._dense = [np.array(x) for x in dense_s]
+        self._routed = [np.array(x) for x in routed_s]
+        self._moe_idx = [np.array(x, dtype=np.int64) for x in moe_idx]
+        self._overhead = [np.where(np.array(x) == -2, 0.0, perf.layer_overhead_s) for x in moe_idx]
+        self._all_dense = np.concatenate(self._dense)
+        self._all_routed = np.concatenate(self._routed)
+        self._all_idx = np.concatenate(self._moe_idx)
+        self._all_overhead = np.concatenate(self._overhead)
+        self._stage_of = np.repeat(np.arange(len(self._dense)), [len(x) for x in self._dense])
+
+    def repriced(self, performance: Performance) -> "StepTimeModel":
+        """A copy priced with ``performance``, which may differ from this model's block only in its
+        compute and overlap values (GEMM ceiling and shape, FP8 ratio, elementwise bytes, layer
+        overhead, overlap efficiency): the calibration's inner loop, without rebuilding the rest."""
+        other = copy.copy(self)
+        other.perf = performance
+        other._build_compute(performance)
+        return other
 
     # -- data-parallel groups ----------------------------------------------------------------
     def _dense_dp_groups(self, coords: dict[str, np.ndarray]) -> list[np.ndarray]:

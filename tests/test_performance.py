@@ -1,6 +1,6 @@
-"""The step-time model: FLOP count against a hand count, property tests at every uncertainty
-setting (bytes, overlap, the compute-bound limit), Megatron-Core's overlap rules, the calibration on
-the published ladder, ``placement calibrate``, and the report keys."""
+"""The step-time model: FLOP count against a hand count, compute by GEMM shape by hand, property
+tests at every uncertainty setting (bytes, overlap, the compute-bound limit, GEMM size), Megatron-Core's
+overlap rules, and the report keys.  The ladder and ``placement calibrate``: tests/test_calibration.py."""
 
 from __future__ import annotations
 
@@ -14,13 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.calibration import calibrate, default_ladder_path, read_ladder
-from placement.cli import main
 from placement.cost import evaluate, report
 from placement.formats import read_instance
 from placement.model import InvalidInputError
 from placement.performance import (
-    CALIBRATED_GEMM_EFFICIENCY,
     DEEPSEEK_V3,
     GPU_KINDS,
     SETTINGS,
@@ -174,15 +171,64 @@ def test_performance_settings_keep_mid_and_spread_the_uncertain_terms():
     perf = DSV3.performance
     s = performance_settings(perf)
     assert list(s) == list(SETTINGS) and s["mid"] is perf
-    for field in ("nvlink_dispatch_efficiency", "nvlink_combine_efficiency", "nic_efficiency", "gemm_efficiency",
-                  "expert_gemm_efficiency"):
+    for field in ("nvlink_dispatch_efficiency", "nvlink_combine_efficiency", "nic_efficiency", "gemm_efficiency"):
         assert getattr(s["low"], field) < getattr(perf, field) <= getattr(s["high"], field), field
+    assert s["low"].expert_gemm_efficiency < perf.expert_gemm_efficiency
     assert s["low"].overlap_efficiency < perf.overlap_efficiency
 
 
 # ---------------------------------------------------------------------------------------------
 # The pieces, by hand
 # ---------------------------------------------------------------------------------------------
+def _s(x: float, x0: float) -> float:
+    return x / (x + x0)
+
+
+def _hand_layer_s(perf, m, par, moe: bool, load: float) -> float:
+    """One layer's seconds per micro-batch, every GEMM listed by hand with its (M, N, K)."""
+    arch, h, tp, x0 = perf.architecture, m.hidden_size, par.tp, perf.gemm_half_shape
+    tokens = par.micro_batch * par.seq_len / (par.tp * par.cp)
+    share = perf.fp8_gemm_ratio if perf.precision != "bf16" else 1.0
+    rate = perf.peak_flops_per_s * perf.gemm_efficiency * share
+    hbm = GPU_KINDS[perf.gpu].hbm_gbps * 1e9
+
+    def gemm(mm: float, n: float, k: float, count: float = 1.0, r: float = rate) -> float:
+        return 6 * mm * n * k * count / (r * _s(mm, x0) * _s(n, x0) * _s(k, x0))
+
+    def scaled(flops: float, parts: list[tuple]) -> float:  # Megatron's FLOPs at the parts' rate
+        total = sum(6 * p[0] * p[1] * p[2] * (p[3] if len(p) > 3 else 1) for p in parts)
+        return sum(gemm(*p) for p in parts) * flops / total if total else 0.0
+
+    n = arch.num_attention_heads
+    if arch.attention == "mla":
+        dq = arch.qk_head_dim + arch.qk_pos_emb_head_dim
+        attn = [(tokens, arch.q_lora_rank, h), (tokens, n * dq / tp, arch.q_lora_rank),
+                (tokens, arch.kv_lora_rank + arch.qk_pos_emb_head_dim, h),
+                (tokens, n * (arch.qk_head_dim + arch.v_head_dim) / tp, arch.kv_lora_rank),
+                (tokens, h, n * arch.v_head_dim / tp)]
+    else:
+        q, kv = arch.kv_channels * n, arch.kv_channels * arch.num_query_groups
+        attn = [(tokens, (q + 2 * kv) / tp, h), (tokens, h, q / tp)]
+    core = attention_core_flops_per_token(arch, par.seq_len)
+    d, r = layer_flops_per_token(arch, h, par.seq_len, m.top_k, moe)
+    ffn = arch.shared_expert_ffn_hidden_size if moe else arch.ffn_hidden_size
+    f = 3 if arch.swiglu else 2
+    mlp_flops = 6 * h * ffn * f * tokens
+    t = scaled((d - core) * tokens - mlp_flops, attn)
+    t += core * tokens / (perf.bf16_peak_flops_per_s * perf.gemm_efficiency * _s(par.seq_len, x0) ** 2)
+    t += perf.elementwise_bytes * tokens * h / hbm
+    if ffn:
+        t += scaled(mlp_flops, [(tokens, (f - 1) * ffn / tp, h), (tokens, h, ffn / tp)])
+    if moe:
+        rows = tokens * par.ep * m.top_k / m.num_experts
+        local = m.num_experts / par.ep
+        up = (f - 1) * arch.moe_ffn_hidden_size
+        routed = scaled(r * tokens, [(rows, up, h, local), (rows, h, arch.moe_ffn_hidden_size, local)])
+        routed /= perf.expert_gemm_efficiency
+        t += (routed + perf.elementwise_bytes * tokens * h * m.top_k / hbm) * load
+    return t + perf.layer_overhead_s
+
+
 def test_balanced_load_without_communication_is_the_compute_bound_step():
     perf = dataclasses.replace(
         TINY.performance, expert_load="balanced", grad_reduce_bytes_per_param=0.0, param_gather_bytes_per_param=0.0
@@ -191,28 +237,30 @@ def test_balanced_load_without_communication_is_the_compute_bound_step():
     model = StepTimeModel(inst)
     n = inst.model.num_moe_layers
     pred = model.predict([0.0] * n, [2.5] * n, default_placement(inst).rank2gpu)
-    # By hand: dense FLOPs at the dense rate (attention's score/value products at the BF16 rate),
-    # routed FLOPs at the expert rate times one micro-batch's busiest-GPU load (balanced routing:
-    # 1 + sqrt(2 ln ep) * sqrt(1 / pairs)), slowest stage, (m + (pp - 1) / vpp) slots.
+    # By hand: every GEMM at ceiling x peak x s(M) s(N) s(K), the attention's score/value products
+    # at the BF16 peak x s(seq)^2, the non-GEMM bytes at the HBM bandwidth, routed work times one
+    # micro-batch's busiest-GPU load (balanced routing: 1 + sqrt(2 ln ep) * sqrt(1 / pairs)),
+    # slowest stage, (m + (pp - 1) / vpp) slots.
     arch, m, par = perf.architecture, inst.model, inst.parallel
-    rate = perf.peak_flops_per_s * perf.gemm_efficiency
-    rate16 = perf.bf16_peak_flops_per_s * perf.gemm_efficiency
-    rate_e = perf.peak_flops_per_s * perf.expert_gemm_efficiency
     tokens = par.micro_batch * par.seq_len / (par.tp * par.cp)
     load = 1 + math.sqrt(2 * math.log(par.ep)) * math.sqrt(1 / (tokens * m.top_k))
-    core = attention_core_flops_per_token(arch, par.seq_len)
-
-    def layer_s(moe: bool) -> float:
-        d, r = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, moe)
-        return tokens * ((d - core) / rate + core / rate16 + r * load / rate_e)
-
+    share = perf.fp8_gemm_ratio if perf.precision != "bf16" else 1.0
+    rate = perf.peak_flops_per_s * perf.gemm_efficiency * share
+    x0 = perf.gemm_half_shape
     stage_s = []
     for si, layers in enumerate(par.stage_layers):
-        t = sum(layer_s(x in m.moe_layers) for x in layers)
+        t = sum(_hand_layer_s(perf, m, par, x in m.moe_layers, load) for x in layers)
         if si == par.pp - 1:
-            t += arch.mtp_num_layers * layer_s(True)
+            t += arch.mtp_num_layers * _hand_layer_s(perf, m, par, True, load)
             h = m.hidden_size
-            t += tokens * 6 * (arch.mtp_num_layers * (3 * h + 2 * h * h) + h * arch.vocab_size * (arch.mtp_num_layers + 1)) / rate
+            head = [(tokens, arch.vocab_size / par.tp, h, arch.mtp_num_layers + 1)]
+            if arch.mtp_num_layers:
+                head.append((tokens, h, 2 * h, arch.mtp_num_layers))
+            flops = tokens * 6 * (arch.mtp_num_layers * (3 * h + 2 * h * h) + h * arch.vocab_size * (arch.mtp_num_layers + 1))
+            total = sum(6 * a * b * c * k for a, b, c, *kk in head for k in [kk[0] if kk else 1])
+            t += flops / total * sum(
+                6 * a * b * c * k / (rate * _s(a, x0) * _s(b, x0) * _s(c, x0)) for a, b, c, k in head
+            )
         stage_s.append(t)
     want = (par.micro_batches_per_step + (par.pp - 1) / perf.vpp) * max(stage_s)
     assert pred.step_time_s == pytest.approx(want, rel=1e-12)
@@ -339,86 +387,6 @@ def test_step_time_model_is_deterministic():
     assert a == b and np.isfinite(a.step_time_s)
 
 
-# ---------------------------------------------------------------------------------------------
-# The ladder (the README's table): one GEMM efficiency per GPU kind fitted, the rest predicted
-# ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ladder():
-    return calibrate(read_ladder(default_ladder_path()), ["gemm_efficiency"])
-
-
-def test_ladder_has_ten_cited_rows_and_the_flop_count_matches_the_published_ratio(ladder):
-    rows = read_ladder(default_ladder_path())
-    assert len(rows) >= 10 and all(r.source for r in rows)
-    ratios = [r.flops_ratio_error for r in ladder.results if r.flops_ratio_error is not None]
-    assert len(ratios) >= 10 and max(abs(x) for x in ratios) < 0.01  # not fitted
-
-
-def test_calibrated_constants_are_the_fit(ladder):
-    for gpu, eff in ladder.gemm_efficiency_per_gpu.items():
-        assert eff == pytest.approx(GPU_KINDS[gpu].gemm_efficiency, abs=5e-4), gpu
-    assert CALIBRATED_GEMM_EFFICIENCY == GPU_KINDS["gb300"].gemm_efficiency
-    assert GPU_KINDS["h800"].gemm_efficiency == GPU_KINDS["h100"].gemm_efficiency
-    assert len(ladder.fitted) <= len(GPU_KINDS)  # one per GPU kind, no shared parameter
-
-
-def test_median_error_of_rows_not_fitted_is_at_most_ten_percent(ladder):
-    assert ladder.median_abs_error_unfitted is not None and ladder.median_abs_error_unfitted <= 0.10
-    fitted = [r for r in ladder.results if r.fit]
-    assert all(abs(r.error) < 1e-3 for r in fitted)  # one row per kind: fitted exactly
-
-
-def test_deepep_to_hybridep_step_of_nvidias_write_up(ladder):
-    by = {r.name: r for r in ladder.results}
-    deepep, hybridep = by["gb200_writeup_deepep"], by["gb200_writeup_hybridep"]
-    # Right sign, and the step-time saving within 30% of the published one (the same FLOPs per
-    # step, so step time goes as 1 / TFLOP/s).
-    assert hybridep.predicted > deepep.predicted
-    published = 1 - deepep.published / hybridep.published
-    predicted = 1 - deepep.predicted / hybridep.predicted
-    saved_published_s = published / deepep.published  # seconds per (FLOPs/GPU/1e12) unit
-    saved_predicted_s = (1 / deepep.predicted - 1 / hybridep.predicted)
-    assert predicted > 0 and abs(saved_predicted_s / (1 / deepep.published - 1 / hybridep.published) - 1) <= 0.30
-    assert saved_published_s > 0
-
-
-def test_calibrate_command_writes_a_performance_block(tmp_path, capsys):
-    rows = json.loads(default_ladder_path().read_text())
-    rows["rows"] = [r for r in rows["rows"] if r["name"] in ("b300_mxfp8_ep8_2606", "b300_mxfp8_ep8_260401")]
-    path = tmp_path / "rows.json"
-    path.write_text(json.dumps(rows))
-    out = tmp_path / "perf.json"
-    assert main(["calibrate", str(path), "--fit", "gemm_efficiency", "-o", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "b300_mxfp8_ep8_260401" in text and "median absolute error on rows not fitted" in text
-    doc = json.loads(out.read_text())
-    assert doc["performance"]["gpu"] == "b300"
-    assert doc["gemm_efficiency_per_gpu"]["b300"] == pytest.approx(GPU_KINDS["b300"].gemm_efficiency, abs=5e-4)
-
-
-@pytest.mark.parametrize(
-    "mutate,where",
-    [
-        (lambda r: r.update(tp="1"), "rows[0] (b300_mxfp8_ep8_2606).tp"),
-        (lambda r: r.update(gpu="a100"), "rows[0] (b300_mxfp8_ep8_2606).gpu"),
-        (lambda r: r.update(dp=31), "rows[0] (b300_mxfp8_ep8_2606).dp"),
-        (lambda r: r.update(overlap="1f1b"), "rows[0] (b300_mxfp8_ep8_2606).vpp"),
-        (lambda r: r.pop("tflops_per_gpu") and r.pop("tokens_per_s_per_gpu"), "rows[0] (b300_mxfp8_ep8_2606).tflops_per_gpu"),
-    ],
-)
-def test_calibrate_exits_2_naming_the_malformed_row_and_field(tmp_path, capsys, mutate, where):
-    doc = json.loads(default_ladder_path().read_text())
-    doc["rows"] = [r for r in doc["rows"] if r["name"] == "b300_mxfp8_ep8_2606"]
-    mutate(doc["rows"][0])
-    path = tmp_path / "rows.json"
-    path.write_text(json.dumps(doc))
-    out = tmp_path / "perf.json"
-    assert main(["calibrate", str(path), "-o", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert where in err and str(path) in err
-    assert not out.exists()
-
-
 def test_data_model_imports_neither_the_step_time_model_nor_the_evaluator():
     import ast
 
@@ -429,3 +397,30 @@ def test_data_model_imports_neither_the_step_time_model_nor_the_evaluator():
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not imported & {"placement.performance", "placement.cost", "placement.calibration"}, name
     assert not {m for m in imported if m.startswith("placement")}  # perfdata: pure data
+
+
+def test_a_dense_layer_never_costs_more_than_a_balanced_moe_layer_with_as_many_flops():
+    # DeepSeek-V3: a dense layer's MLP (18,432) does 9 x 2,048 like the 8 routed experts plus the
+    # shared one, so the FLOPs tie; its GEMMs are wider and it moves no routed copies.
+    for inst in (DSV3, read_instance(INSTANCES / "dsv3_1024.json")):
+        arch, m, par = inst.performance.architecture, inst.model, inst.parallel
+        d_dense, _ = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, False)
+        d_moe, r_moe = layer_flops_per_token(arch, m.hidden_size, par.seq_len, m.top_k, True)
+        assert d_dense <= (d_moe + r_moe) * (1 + 1e-12)
+        model = StepTimeModel(inst)
+        assert model.dense_layer_s <= model.moe_layer_s
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 1 << 16), n=st.integers(1, 1 << 16), k=st.integers(1, 1 << 16), grow=st.integers(1, 1 << 12)
+)
+def test_a_larger_gemm_never_runs_at_a_lower_rate(m, n, k, grow):
+    from placement.compute import ComputeRates, Gemm
+
+    rates = ComputeRates(TINY.performance)
+    rate = lambda g: g.flops / rates.gemm_s([g])  # noqa: E731
+    base = Gemm(m, n, k)
+    for bigger in (Gemm(m + grow, n, k), Gemm(m, n + grow, k), Gemm(m, n, k + grow)):
+        assert rate(bigger) >= rate(base) * (1 - 1e-12)
+    assert rate(base) <= rates.gemm_flops_per_s
