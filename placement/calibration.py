@@ -66,12 +66,14 @@ __all__ = [
     "Calibration",
     "default_ladder_path",
     "read_ladder",
+    "ladder_rows",
     "row_instance",
     "calibrate",
     "ladder_schema",
     "format_table",
 ]
 
+_BIG_SHAPE = 100_000_000
 # Models a row may name: (Architecture, MoE shape).
 _MODELS: dict[str, tuple[Architecture, dict[str, Any]]] = {
     "deepseek_v3": (
@@ -83,6 +85,30 @@ _MODELS: dict[str, tuple[Architecture, dict[str, Any]]] = {
         dict(num_layers=94, first_moe=0, num_experts=128, top_k=8, num_groups=1, groups_per_token=1, hidden_size=4096),
     ),
 }
+# A row's own model shape (rows built from training logs, placement.runlogs): Architecture's fields
+# plus the MoE layout; ``first_dense_layers`` leading dense decoder layers.
+SHAPE_SPEC = Obj(
+    "The model's shape (instead of a named model).",
+    {
+        "attention": Str("Attention kind.", ("mla", "gqa")),
+        **{
+            f: Int(f"Architecture.{f} (placement.perfdata).", 0, _BIG_SHAPE)
+            for f in (
+                "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size", "shared_expert_ffn_hidden_size",
+                "vocab_size", "mtp_num_layers", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                "v_head_dim", "num_query_groups", "kv_channels",
+            )
+        },
+        "swiglu": Bool("Gated (SwiGLU) MLPs."),
+        "num_layers": Int("Decoder layers.", 1, _BIG_SHAPE),
+        "first_dense_layers": Int("Leading dense decoder layers (DeepSeek-V3: 3).", 0, _BIG_SHAPE),
+        "hidden_size": Int("Hidden size.", 1, _BIG_SHAPE),
+        "num_experts": Int("Routed experts per MoE layer.", 1, _BIG_SHAPE),
+        "top_k": Int("Experts per token.", 1, _BIG_SHAPE),
+        "num_groups": Int("Expert groups of group-limited routing (1 = none).", 1, _BIG_SHAPE),
+        "groups_per_token": Int("Groups a token may use.", 1, _BIG_SHAPE),
+    },
+)
 SHARED_FITTABLE = ("layer_overhead_s", "expert_gemm_efficiency", "overlap_efficiency")
 FITTABLE: tuple[str, ...] = ("gemm_efficiency",) + SHARED_FITTABLE
 _BIG = 1_000_000
@@ -96,7 +122,9 @@ ROW_SPEC = Obj(
         "date": Str("Publication date, YYYY-MM-DD."),
         "gpu": Str("GPU kind (docs/formats.md).", tuple(GPU_KINDS)),
         "precision": Str("Precision of the GEMMs.", PRECISIONS),
-        "model": Str("Model shape.", tuple(_MODELS)),
+        "model": Str("Model shape (or give family and shape).", tuple(_MODELS)),
+        "family": Str("Model family (deepseek_v3, qwen3_235b_a22b, ...; rows with a shape)."),
+        "shape": SHAPE_SPEC,
         "mtp_num_layers": Int("Multi-token-prediction layers of the run (0 = none).", 0, 1),
         "gpus": Int("GPUs of the job.", 1, _BIG),
         "tp": Int("Tensor-parallel size.", 1, _BIG),
@@ -122,6 +150,9 @@ ROW_SPEC = Obj(
         {
             "release",
             "date",
+            "model",
+            "family",
+            "shape",
             "mtp_num_layers",
             "cp",
             "vpp",
@@ -159,7 +190,6 @@ class LadderRow:
     source: str
     gpu: str
     precision: str
-    model: str
     gpus: int
     tp: int
     pp: int
@@ -168,6 +198,9 @@ class LadderRow:
     micro_batch: int
     global_batch: int
     seq_len: int
+    model: str = ""
+    family: str = ""
+    shape: dict[str, Any] | None = None
     release: str = ""
     date: str = ""
     mtp_num_layers: int = 1
@@ -211,6 +244,12 @@ def read_ladder(path: str | os.PathLike[str]) -> list[LadderRow]:
         raise InvalidInputError(f"{where}: cannot read: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise InvalidInputError(f"{where}: not JSON: {e.msg} at line {e.lineno}") from None
+    return ladder_rows(doc, where)
+
+
+def ladder_rows(doc: Any, where: str) -> list[LadderRow]:
+    """Check a ladder document already in memory (``{"version": 1, "rows": [...]}``, what
+    :func:`placement.runlogs.rows_document` builds); errors name ``where``."""
     validate(doc, _TOP_SPEC, where)
     rows: list[LadderRow] = []
     seen: set[str] = set()
@@ -230,6 +269,8 @@ def _check_row(where: str, i: int, r: LadderRow, seen: set[str]) -> None:
 
     if r.name in seen:
         raise fail("name", f"duplicate row name {r.name!r}")
+    if not r.model and r.shape is None:
+        raise fail("model", "a row needs model or shape")
     if r.tokens_per_s_per_gpu is None and r.tflops_per_gpu is None:
         raise fail("tflops_per_gpu", "a row needs tokens_per_s_per_gpu or tflops_per_gpu")
     if r.gpus != r.tp * r.cp * r.pp * r.dp:
@@ -240,7 +281,7 @@ def _check_row(where: str, i: int, r: LadderRow, seen: set[str]) -> None:
         raise fail("global_batch", f"{r.global_batch} is not a multiple of micro_batch*dp = {r.micro_batch * r.dp}")
     if r.precision not in GPU_KINDS[r.gpu].peak_dense_tflops:
         raise fail("precision", f"no {r.precision} peak for {r.gpu}")
-    layers = _MODELS[r.model][1]["num_layers"]
+    layers = _model_of(r)[1]["num_layers"]
     if r.pp * r.vpp > layers + 2 + r.mtp_num_layers:
         raise fail("vpp", f"pp*vpp={r.pp * r.vpp} exceeds the model's layer slots")
     if r.overlap == "1f1b":
@@ -283,17 +324,28 @@ def _balanced_routing(rng: np.random.Generator, layers: int, dp: int, tokens: in
     return out
 
 
+def _model_of(row: LadderRow) -> tuple[Architecture, dict[str, Any]]:
+    """(Architecture, MoE shape) of a row: its own ``shape`` when it has one, else its named model."""
+    if row.shape is None:
+        return _MODELS[row.model]
+    s = row.shape
+    arch = Architecture(**{f.name: s[f.name] for f in dataclasses.fields(Architecture)})
+    moe = {k: s[k] for k in ("num_layers", "num_experts", "top_k", "num_groups", "groups_per_token", "hidden_size")}
+    moe["first_moe"] = s["first_dense_layers"]
+    return arch, moe
+
+
 def row_instance(row: LadderRow, performance: Performance, *, sampled_pairs: int = 8192) -> Instance:
     """An in-memory instance of ``row``: EP groups inside NVLink domains where they fit, balanced
     routing, ``sampled_pairs`` sampled tokens per stage (spread over the sources)."""
-    arch, shape = _MODELS[row.model]
+    arch, shape = _model_of(row)
     arch = dataclasses.replace(arch, mtp_num_layers=row.mtp_num_layers)
     kind = GPU_KINDS[row.gpu]
     h = shape["hidden_size"]
     n_layers = shape["num_layers"]
     moe_layers = tuple(range(shape["first_moe"], n_layers))
     model = MoEModel(
-        name=row.model,
+        name=row.family or row.model,
         num_layers=n_layers,
         moe_layers=moe_layers,
         num_experts=shape["num_experts"],
