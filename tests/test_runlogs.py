@@ -279,3 +279,35 @@ def test_log_options_need_from_logs(capsys):
     assert "--gpu: only with --from-logs" in capsys.readouterr().err
     assert main(["calibrate", "--from-logs", str(DSV3)]) == 2
     assert "--gpu: required with --from-logs" in capsys.readouterr().err
+
+
+def test_the_same_log_twice_in_one_file_gives_the_same_row(tmp_path):
+    doubled = tmp_path / DSV3.name
+    doubled.write_text(DSV3.read_text() + DSV3.read_text())  # two nodes' copies, concatenated
+    assert rows_from_logs([doubled], "gb200")[0] | {"source": ""} == rows_from_logs([DSV3], "gb200")[0] | {"source": ""}
+
+
+def test_a_row_with_a_shape_predicts_as_the_same_row_with_its_named_model(tmp_path):
+    from placement.calibration import calibrate, default_ladder_path
+    from placement.runlogs.common import KNOWN_FAMILIES
+
+    doc = json.loads(default_ladder_path().read_text())
+    named = next(r for r in doc["rows"] if r["name"] == "gb200_mxfp8_2608")
+    shaped = {k: v for k, v in named.items() if k != "model"} | {
+        "name": "shaped", "family": "deepseek_v3", "shape": KNOWN_FAMILIES["deepseek_v3"]}
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps({"version": 1, "rows": [named, shaped]}))
+    a, b = calibrate(read_ladder(path), ()).results
+    assert (a.predicted_tflops_per_gpu, a.predicted_tokens_per_s_per_gpu) == (
+        b.predicted_tflops_per_gpu, b.predicted_tokens_per_s_per_gpu)
+
+
+def test_a_ladder_row_needs_a_model_or_a_shape(tmp_path):
+    from placement.calibration import default_ladder_path
+
+    doc = json.loads(default_ladder_path().read_text())
+    row = {k: v for k, v in doc["rows"][0].items() if k != "model"}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"version": 1, "rows": [row]}))
+    with pytest.raises(InvalidInputError, match=r"rows\[0\].*\.model: a row needs model or shape"):
+        read_ladder(path)

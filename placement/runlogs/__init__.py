@@ -83,6 +83,7 @@ def _row(rec: RunRecord, gpu: str, gpus: int | None, name: str) -> dict[str, Any
         "global_batch": rec.global_batch,
         "seq_len": rec.seq_len,
         "dispatcher": rec.dispatcher,
+        "dispatch_precision": rec.dispatch_precision,
         "overlap": rec.overlap,
         "expert_load": rec.expert_load,
     }

@@ -180,6 +180,7 @@ class RunRecord:
     seq_len: int | None = None
     precision: str = "bf16"
     dispatcher: str = "alltoall"
+    dispatch_precision: str = "bf16"
     overlap: str = "none"
     expert_load: str = "routing"
     shape: dict[str, Any] = field(default_factory=dict)

@@ -197,6 +197,10 @@ def _record(cfg: dict[str, Any], where: str, stack: str) -> RunRecord:
         seq_len=cfg.get("seq_length"),
         precision=precision,
         dispatcher=dispatcher,
+        # MXFP8 on the wire only with moe_dispatch_fwd_dtype (ncclep); HybridEP sends BF16
+        # (Megatron-LM @d98e8a64 megatron/core/transformer/moe/fused_a2a.py: "HybridEP dispatcher
+        # does not support fp8 dispatch now").
+        dispatch_precision="fp8" if cfg.get("moe_dispatch_fwd_dtype") == "mxfp8" else "bf16",
         overlap="1f1b" if cfg.get("overlap_moe_expert_parallel_comm") else "none",
         expert_load="balanced" if cfg.get("moe_router_force_load_balancing") else "routing",
         shape=shape,
