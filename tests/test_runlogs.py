@@ -311,3 +311,41 @@ def test_a_ladder_row_needs_a_model_or_a_shape(tmp_path):
     path.write_text(json.dumps({"version": 1, "rows": [row]}))
     with pytest.raises(InvalidInputError, match=r"rows\[0\].*\.model: a row needs model or shape"):
         read_ladder(path)
+
+
+def test_megatron_bridge_deepseek_v3_row_takes_mla_defaults():
+    (row,) = rows_from_logs([DATA / "megatron_bridge_dsv3.log"], "gb300", gpus=256)
+    shape = row["shape"]
+    # multi_latent_attention, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim are at
+    # MLATransformerConfig's defaults, so the summary does not print them.
+    assert (shape["attention"], shape["q_lora_rank"], shape["kv_lora_rank"], shape["qk_pos_emb_head_dim"]) == ("mla", 1536, 512, 64)
+    assert shape["vocab_size"] == 129280  # "Using preset vocab_size: 129280 over the tokenizer ..."
+    assert (row["pp"], row["vpp"], row["ep"], row["dp"], row["dispatcher"], row["overlap"]) == (2, 8, 32, 128, "hybridep", "1f1b")
+    # Kept 3..10: 10432 10412 10423 10405 10429 10420 10416 10426 ms -> median (10420 + 10423) / 2.
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(4096 * 4096 / (10.4215 * 256), abs=1e-3)
+
+
+@pytest.mark.parametrize("freq,first", [("([0]*3+[1]*58)", 3), ("[0]*1+[1]*60", 1), ("1", 0)])
+def test_moe_layer_freq_as_typed_is_read(tmp_path, freq, first):
+    text = DSV3.read_text().replace(str([0] * 3 + [1] * 58), freq)
+    log = tmp_path / "freq.log"
+    log.write_text(text)
+    (row,) = rows_from_logs([log], "gb200")
+    assert row["shape"]["first_dense_layers"] == first
+    # The family is matched on layers, hidden size, experts and top-k only (common.family_of).
+    assert row["family"] == "deepseek_v3"
+
+
+def test_moe_layer_freq_with_interleaved_dense_layers_is_refused(tmp_path):
+    log = tmp_path / "freq.log"
+    log.write_text(DSV3.read_text().replace(str([0] * 3 + [1] * 58), "2"))
+    with pytest.raises(InvalidInputError, match="moe_layer_freq=2"):
+        rows_from_logs([log], "gb200")
+
+
+def test_torchtitan_without_mesh_line_takes_gpus(tmp_path):
+    log = _strip(TITAN, tmp_path, "Building device mesh")
+    with pytest.raises(InvalidInputError, match="number of GPUs"):
+        rows_from_logs([log], "h100", config=str(TITAN_TOML))
+    (row,) = rows_from_logs([log], "h100", config=str(TITAN_TOML), gpus=256)
+    assert (row["gpus"], row["dp"], row["global_batch"]) == (256, 32, 256)

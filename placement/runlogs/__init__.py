@@ -28,13 +28,13 @@ from placement.runlogs.common import RunRecord, dedupe, family_of, fill_from_fam
 __all__ = ["read_run", "rows_from_logs", "rows_document"]
 
 
-def read_run(path: str, *, config: str | None = None) -> RunRecord:
+def read_run(path: str, *, config: str | None = None, gpus: int | None = None) -> RunRecord:
     """Read one log into a :class:`RunRecord`, choosing the reader by what the log prints."""
     from placement.runlogs import megatron, torchtitan
 
     lines = read_lines(path)
     if torchtitan.looks_like(lines):
-        return torchtitan.read(path, lines, config)
+        return torchtitan.read(path, lines, config, gpus)
     if megatron.looks_like_lm(lines):
         return megatron.read_lm(path, lines)
     if megatron.looks_like_bridge(lines):
@@ -132,7 +132,7 @@ def rows_from_logs(
         while name in names:
             name, k = f"{stem}_{k}", k + 1
         names.add(name)
-        rows.append(_row(read_run(str(p), config=config), gpu, gpus, name))
+        rows.append(_row(read_run(str(p), config=config, gpus=gpus), gpu, gpus, name))
     return rows
 
 

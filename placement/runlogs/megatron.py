@@ -116,8 +116,16 @@ def _intervals(lines: list[str], where: str) -> list[Interval]:
     return out
 
 
+_FREQ_PATTERN = re.compile(r"^\(?\s*\[0\]\s*\*\s*(\d+)\s*\+\s*\[1\]\s*\*\s*(\d+)\s*\)?$")
+
+
 def _moe_first_dense(freq: Any, num_layers: int, where: str) -> int:
-    """Leading dense layers from ``moe_layer_freq`` (an int: every k-th layer MoE; a list of 0/1)."""
+    """Leading dense layers from ``moe_layer_freq`` (an int: every k-th layer MoE; a list of 0/1;
+    or the pattern as typed, ``([0]*3+[1]*58)``, when printed before evaluation)."""
+    if isinstance(freq, str):
+        m = _FREQ_PATTERN.match(freq.strip())
+        if m:
+            freq = [0] * int(m.group(1)) + [1] * int(m.group(2))
     if isinstance(freq, int):
         if freq == 1:
             return 0

@@ -114,8 +114,9 @@ def job_config(path: str) -> dict[str, Any]:
     return {"model_name": name, "flavor": flavor, "converters": converters, "read_by": read_by, **values}
 
 
-def read(path: str, lines: list[str], config: str | None) -> RunRecord:
-    """A TorchTitan log: its mesh line and step lines, with the TOML job configuration ``config``."""
+def read(path: str, lines: list[str], config: str | None, gpus_given: int | None = None) -> RunRecord:
+    """A TorchTitan log: its mesh line and step lines, with the TOML job configuration ``config``
+    (``gpus_given``: ``--gpus``, for a log without the mesh line and a TOML with ``dp_shard`` -1)."""
     if config is None:
         raise InvalidInputError(f"{path}: a TorchTitan log needs its job configuration: give --config TOML")
     job = job_config(config)
@@ -140,6 +141,8 @@ def read(path: str, lines: list[str], config: str | None) -> RunRecord:
         dp_shard = int(job.get("data_parallel_shard_degree", -1))
         cp, tp = int(job.get("context_parallel_degree", 1)), int(job.get("tensor_parallel_degree", 1))
         ep = int(job.get("expert_parallel_degree", 1))
+        if dp_shard < 0 and gpus_given is not None and gpus_given % (pp * dp_rep * cp * tp) == 0:
+            dp_shard = gpus_given // (pp * dp_rep * cp * tp)
         gpus = pp * dp_rep * dp_shard * cp * tp if dp_shard > 0 else None
     local = job.get("local_batch_size")
     seq = job.get("seq_len")
