@@ -80,6 +80,8 @@ def _through_config_manager(doc: dict[str, Any], name: str, flavor: str, where: 
             cfg = ConfigManager().parse_args(args)
     except SystemExit:  # tyro rejects a key or value and exits
         raise InvalidInputError(f"{where}: TorchTitan's ConfigManager refuses it: {sink.getvalue().strip()[-300:]}") from None
+    except (ValueError, TypeError, AssertionError) as e:  # its _validate_config checks
+        raise InvalidInputError(f"{where}: TorchTitan's ConfigManager refuses it: {e}") from None
     return {
         **{k: getattr(cfg.training, k) for k in _TRAINING_KEYS},
         **{k: getattr(cfg.parallelism, k) for k in _PARALLEL_KEYS},
