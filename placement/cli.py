@@ -818,7 +818,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--gpu", default=None, metavar="KIND", help="--from-logs: the GPU kind the runs used (h100, gb200, ...)")
     ca.add_argument("--gpus", type=int, default=None, metavar="N",
                     help="--from-logs: GPUs of the job, for logs that do not say it (Megatron-Bridge)")
-    ca.add_argument("--config", default=None, metavar="TOML", help="--from-logs: TorchTitan's job configuration")
+    ca.add_argument("--config", default=None, metavar="TOML",
+                    help="--from-logs: TorchTitan's job configuration (a TOML file, or its launch arguments in one string)")
     ca.add_argument("--write-rows", default=None, metavar="ROWS.json",
                     help="--from-logs: write the logs' rows as a ladder file (placement calibrate ROWS.json reads it)")
 

@@ -349,3 +349,14 @@ def test_torchtitan_without_mesh_line_takes_gpus(tmp_path):
         rows_from_logs([log], "h100", config=str(TITAN_TOML))
     (row,) = rows_from_logs([log], "h100", config=str(TITAN_TOML), gpus=256)
     assert (row["gpus"], row["dp"], row["global_batch"]) == (256, 32, 256)
+
+
+def test_torchtitan_launch_arguments_as_config():
+    pytest.importorskip("torchtitan")
+    launch = "--module deepseek_v3 --config deepseek_v3_671b --parallelism.pipeline_parallel_degree 8"
+    (row,) = rows_from_logs([TITAN], "h100", config=launch)
+    # deepseek_v3_671b's registry config: local_batch_size 4, seq_len 4096; the mesh line's dp 32.
+    assert (row["gpus"], row["dp"], row["global_batch"], row["seq_len"]) == (256, 32, 128, 4096)
+    assert "launch arguments" in row["note"]
+    with pytest.raises(InvalidInputError, match="Config function 'nope' not found"):
+        rows_from_logs([TITAN], "h100", config="--module deepseek_v3 --config nope")

@@ -17,7 +17,9 @@ read TOML (``[model] name, flavor``, ``[training] local_batch_size, global_batch
 ``[parallelism] ..._degree``).  When the installed TorchTitan has a config-registry function for the
 model (``<name>_<flavor>``, e.g. ``deepseek_v3_671b``), the file's ``[training]`` and
 ``[parallelism]`` keys are passed as overrides to TorchTitan's own ``ConfigManager``, so TorchTitan
-checks every key and value; otherwise the TOML is read as it is.  TorchTitan's ``tflops`` counts
+checks every key and value; otherwise the TOML is read as it is.  TorchTitan 0.3.0 itself reads no
+TOML: its launch arguments (``--module deepseek_v3 --config deepseek_v3_671b --parallelism...``)
+may be given as ``--config`` instead, and go to its ConfigManager as they are.  TorchTitan's ``tflops`` counts
 FLOPs its own way (``get_dense_model_nparams_and_flops``), so the row carries tokens/s only.
 """
 
@@ -27,13 +29,14 @@ import contextlib
 import io
 import importlib
 import re
+import shlex
 import sys
 from typing import Any
 
 from placement.model import InvalidInputError
 from placement.runlogs.common import KNOWN_FAMILIES, Interval, RunRecord
 
-__all__ = ["looks_like", "read", "job_config"]
+__all__ = ["looks_like", "read", "job_config", "registry_job_config"]
 
 _STEP = re.compile(
     r"\bstep:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*(\S+)\s+memory:\s*[\d.]+GiB\([\d.]+%\)\s+"
@@ -74,18 +77,45 @@ def _through_config_manager(doc: dict[str, Any], name: str, flavor: str, where: 
         for k, v in doc.get(section, {}).items():
             if k in keys:
                 args += [f"--{section}.{k}", str(v)]
+    return _values(_parse(ConfigManager, args, where))
+
+
+def _parse(manager: Any, args: list[str], where: str) -> Any:
+    """TorchTitan's ``ConfigManager().parse_args(args)``; its refusals as InvalidInputError."""
     sink = io.StringIO()
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            cfg = ConfigManager().parse_args(args)
+            return manager().parse_args(args)
     except SystemExit:  # tyro rejects a key or value and exits
         raise InvalidInputError(f"{where}: TorchTitan's ConfigManager refuses it: {sink.getvalue().strip()[-300:]}") from None
-    except (ValueError, TypeError, AssertionError) as e:  # its _validate_config checks
+    except (ValueError, TypeError, AssertionError, ImportError) as e:  # its own checks
         raise InvalidInputError(f"{where}: TorchTitan's ConfigManager refuses it: {e}") from None
+
+
+def _values(cfg: Any) -> dict[str, Any]:
     return {
         **{k: getattr(cfg.training, k) for k in _TRAINING_KEYS},
         **{k: getattr(cfg.parallelism, k) for k in _PARALLEL_KEYS},
     }
+
+
+def registry_job_config(command: str) -> dict[str, Any]:
+    """The values a row needs from TorchTitan 0.3.0's own launch arguments (``--module M --config
+    F [--section.key value ...]``, as given to ``torchtitan.train``), parsed by its ConfigManager.
+    Precision from the model's converters (``Float8...`` -> fp8, ``MXFP8...`` -> mxfp8)."""
+    try:
+        from torchtitan.config.manager import ConfigManager
+    except ImportError:
+        raise InvalidInputError(f"--config {command!r}: reading TorchTitan's launch arguments needs torchtitan installed") from None
+    try:
+        args = shlex.split(command)
+    except ValueError as e:
+        raise InvalidInputError(f"--config: {e}") from None
+    cfg = _parse(ConfigManager, args, f"--config {command!r}")
+    spec = repr(cfg.model_spec)
+    converters = ["mx"] if "MXFP8" in spec else ["float8"] if "Float8" in spec else []
+    return {"model_name": cfg.model_spec.name, "flavor": cfg.model_spec.flavor, "converters": converters,
+            "read_by": "TorchTitan ConfigManager (launch arguments)", **_values(cfg)}
 
 
 def job_config(path: str) -> dict[str, Any]:
@@ -121,7 +151,7 @@ def read(path: str, lines: list[str], config: str | None, gpus_given: int | None
     (``gpus_given``: ``--gpus``, for a log without the mesh line and a TOML with ``dp_shard`` -1)."""
     if config is None:
         raise InvalidInputError(f"{path}: a TorchTitan log needs its job configuration: give --config TOML")
-    job = job_config(config)
+    job = registry_job_config(config) if config.lstrip().startswith("--") else job_config(config)
     family = _FLAVORS.get((job["model_name"], job["flavor"]))
     if family is None:
         raise InvalidInputError(
