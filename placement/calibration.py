@@ -66,6 +66,7 @@ __all__ = [
     "Calibration",
     "default_ladder_path",
     "read_ladder",
+    "ladder_rows",
     "row_instance",
     "calibrate",
     "cross_validate",
@@ -309,6 +310,12 @@ def read_ladder(path: str | os.PathLike[str]) -> list[LadderRow]:
         raise InvalidInputError(f"{where}: cannot read: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise InvalidInputError(f"{where}: not JSON: {e.msg} at line {e.lineno}") from None
+    return ladder_rows(doc, where)
+
+
+def ladder_rows(doc: Any, where: str) -> list[LadderRow]:
+    """Check a ladder document already in memory (``{"version": 1, "rows": [...]}``, what
+    :func:`placement.runlogs.rows_document` builds); errors name ``where``."""
     validate(doc, _TOP_SPEC, where)
     rows: list[LadderRow] = []
     seen: set[str] = set()

@@ -30,6 +30,7 @@ from placement.progress import Progress
 from placement.progress import progress as progress_bar
 
 if TYPE_CHECKING:
+    from placement.calibration import Calibration
     from placement.model import Instance
     from solvers.base import SolveResult
 
@@ -574,7 +575,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from placement.calibration import DEFAULT_FIT, format_table
 
     fit = [f for f in args.fit.split(",") if f] if args.fit else list(DEFAULT_FIT)
+    if not args.from_logs:
+        for flag in ("gpu", "gpus", "config", "write_rows"):
+            if getattr(args, flag) is not None:
+                raise InvalidInputError(f"--{flag.replace('_', '-')}: only with --from-logs")
     if args.cross_validate:
+        if args.from_logs:
+            raise InvalidInputError("--cross-validate: not with --from-logs (write the rows with --write-rows, then "
+                                    "cross-validate that file)")
         from placement.calibration import cross_validate, default_ladder_path, format_cross_validation, read_ladder
 
         cv = cross_validate(read_ladder(args.rows or default_ladder_path()), fit)
@@ -583,13 +591,42 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             atomic_write_bytes(args.output, (json.dumps(cv.to_dict(), indent=1, sort_keys=True) + "\n").encode())
             print(f"wrote {args.output}")
         return EXIT_OK
-    cal = calibrate(args.rows, fit)
+    cal = _calibrate_from_logs(args, fit) if args.from_logs else calibrate(args.rows, fit)
+
     print(format_table(cal))
     if args.output:
         doc = cal.to_dict()
         atomic_write_bytes(args.output, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
         print(f"wrote {args.output}")
     return EXIT_OK
+
+
+def _calibrate_from_logs(args: argparse.Namespace, fit: list[str]) -> Calibration:
+    """``placement calibrate --from-logs``: one ladder row per training log (docs/runlogs.md),
+    after the rows of ``ROWS`` when it is given; ``--write-rows`` keeps them as a ladder file."""
+    from placement.calibration import calibrate as calibrate_rows, ladder_rows, read_ladder
+    from placement.formats import atomic_write_bytes
+    from placement.runlogs import rows_document, rows_from_logs
+
+    if args.gpu is None:
+        raise InvalidInputError("--gpu: required with --from-logs (a training log does not say the GPU kind)")
+    log_rows = rows_from_logs(args.from_logs, args.gpu, gpus=args.gpus, config=args.config)
+    doc = rows_document(log_rows)
+    rows = ladder_rows(doc, "--from-logs")
+    if args.rows is not None:
+        ladder = read_ladder(args.rows)
+        taken = {r.name for r in ladder}
+        clash = [r.name for r in rows if r.name in taken]
+        if clash:
+            raise InvalidInputError(f"--from-logs: a log's row name {clash[0]!r} is also a row of {args.rows} (rename the log)")
+        rows = ladder + rows
+    for row in log_rows:
+        print(f"{row['name']}: {row['family']} on {row['gpus']} {row['gpu']}, {row['note']}")
+    cal = calibrate_rows(rows, fit)
+    if args.write_rows:
+        atomic_write_bytes(args.write_rows, (json.dumps(doc, indent=1) + "\n").encode())
+        print(f"wrote {args.write_rows}")
+    return cal
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -819,6 +856,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print leave-one-configuration-out and leave-one-model-family-out errors of every row "
                          "(each fit on all other rows; docs/performance.md)")
     ca.add_argument("-o", "--output", help="write the fitted performance block and every row's prediction (JSON, atomic)")
+    ca.add_argument("--from-logs", nargs="+", default=None, metavar="LOG",
+                    help="training logs (Megatron-LM, Megatron-Bridge, TorchTitan), one run each, as rows to predict "
+                         "and fit on, after ROWS' rows when ROWS is given (docs/runlogs.md)")
+    ca.add_argument("--gpu", default=None, metavar="KIND", help="--from-logs: the GPU kind the runs used (h100, gb200, ...)")
+    ca.add_argument("--gpus", type=int, default=None, metavar="N",
+                    help="--from-logs: GPUs of the job, for logs that do not say it (Megatron-Bridge)")
+    ca.add_argument("--config", default=None, metavar="TOML",
+                    help="--from-logs: TorchTitan's job configuration (a TOML file, or its launch arguments in one string)")
+    ca.add_argument("--write-rows", default=None, metavar="ROWS.json",
+                    help="--from-logs: write the logs' rows as a ladder file (placement calibrate ROWS.json reads it)")
 
     sh = sub.add_parser("show", help="draw a placement as a rack map (PNG or SVG)")
     sh.add_argument("placement", help="placement file, or 'default' (the default layout; needs -o)")
