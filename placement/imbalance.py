@@ -220,15 +220,14 @@ def token_count_variance(
     n_tok, k = tgt.shape
     cells = num_rows * num_strata
     cell = np.asarray(row, dtype=np.int64) * num_strata + np.asarray(stratum, dtype=np.int64)  # (n_tok,)
-    # sum_t x_tr^2 = n_r + 2 (pairs i < j of one token both on r).  Sorted, a token's equal
-    # targets are contiguous, so its equal pairs are the equal entries d = 1 .. k-1 apart.
-    srt = np.sort(tgt, axis=1)
-    key = cell[:, None] * num_bins + srt  # (n_tok, k)
+    # sum_t x_tr^2 = n_r + 2 (pairs i < j of one token both on r); the pairs (i, i + d) over
+    # d = 1 .. k-1 are every pair once.
+    key = cell[:, None] * num_bins + tgt  # (n_tok, k)
     size = cells * num_bins
     n = np.bincount(key.reshape(-1), minlength=size).astype(np.float64)
     q = n.copy()
     for d in range(1, k):
-        same = srt[:, d:] == srt[:, :-d]
+        same = tgt[:, d:] == tgt[:, :-d]
         if same.any():
             q += 2.0 * np.bincount(key[:, d:][same], minlength=size)
     n = n.reshape(num_rows, num_strata, num_bins)
