@@ -31,7 +31,10 @@ One routing *window* is a batch of freshly sampled tokens routed with that windo
    specialisation grows with depth through ``sqrt(f)``. ``bias`` emulates aux-loss-free
    balancing, which steers on the global batch: it is solved per layer and window so that the
    *expected* load of the global data mix is flat (Poisson-sampling approximation of top-k
-   inclusion); single sources and single windows remain unbalanced. ``pop`` is a residual per-expert
+   inclusion); single sources and single windows remain unbalanced.  With ``balance_rounds > 0``
+   (:data:`AUX_LOSS_FREE_PARAMS`) a bias controller then corrects it on fresh routed batches, as
+   DeepSeek-V3's per-step bias update does, so the global batch's routed load is flat up to the
+   controller's residual (docs/imbalance.md). ``pop`` is a residual per-expert
    popularity, ``tanh`` of a standard normal rescaled to unit variance (bounded, so no expert runs
    away), scaled by ``skew``. ``gumbel`` is standard Gumbel noise (a 65,536-level quantile
    table), which makes the top-k a sample without replacement from the softmax of the logits.

@@ -184,12 +184,12 @@ def test_uniform_routing_predicts_no_lasting_imbalance(seed, ranks, k, tokens_pe
 def test_uniform_routing_with_clumped_tokens_predicts_no_lasting_imbalance(seed, ranks, k, tokens_per_stratum):
     """Uniform over ranks but each token's k pairs on one rank: the noise is that of T tokens, not of
     T k pairs.  The token variance sees it (mean lasting excess below 1.5 sqrt(R / T), measured up to
-    1.0); the multinomial variance would not, and at 32+ ranks and k = 8 exceeds the bound."""
+    1.0); the multinomial variance would not, and at 48+ ranks and k = 8 exceeds the bound."""
     rng = np.random.default_rng(seed)
     counts, var, multi = _uniform_groups(rng, ranks, k, tokens_per_stratum, clumped=True)
     tol = 1.5 * math.sqrt(ranks / (STRATA * tokens_per_stratum))
     assert (lasting_max_over_mean(counts, var) - 1.0).mean() <= tol
-    if ranks >= 32 and k == 8:
+    if ranks >= 48 and k == 8:
         assert (lasting_max_over_mean(counts, multi) - 1.0).mean() > tol
 
 
