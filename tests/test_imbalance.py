@@ -198,7 +198,8 @@ def test_uniform_routing_with_clumped_tokens_predicts_no_lasting_imbalance(seed,
        profile=st.sampled_from(["one_hot", "linear", "lognormal"]))
 def test_planted_imbalance_is_recovered(seed, ranks, excess, profile):
     """Lasting shares with busiest/mean 1 + excess, N pairs such that the excess is 20 noise
-    deviations (N = 400 R / excess^2): recovered within 0.3 excess (measured: within 0.2)."""
+    deviations (N = 400 R / excess^2): recovered within 0.45 excess (measured: within 0.24 over 300
+    draws per case, an error of standard deviation about 0.08 excess, mean under 0.01)."""
     rng = np.random.default_rng(seed)
     if profile == "one_hot":
         p = np.full(ranks, 1.0)
@@ -215,7 +216,7 @@ def test_planted_imbalance_is_recovered(seed, ranks, excess, profile):
     pairs = int(math.ceil(400 * ranks / excess**2))
     counts = rng.multinomial(pairs, p).astype(np.float64)
     got = float(lasting_max_over_mean(counts, multinomial_count_variance(counts)))
-    assert abs(got - true) <= 0.3 * excess
+    assert abs(got - true) <= 0.45 * excess
 
 
 def test_a_lone_hot_rank_keeps_its_load_where_one_shrinkage_factor_would_not():
