@@ -80,6 +80,8 @@ def _summary_lines(title: str, m: dict) -> list[str]:
     row("remote domains per token", "remote_domains_per_token", lambda v: f"{v:.3f}")
     row("remote experts per token", "remote_experts_per_token", lambda v: f"{v:.3f}")
     row("expert load max/mean (worst layer)", "expert_load_max_over_mean", lambda v: f"{v:.3f}")
+    if "expert_load_lasting_max_over_mean" in m:  # sampling noise removed (placement.imbalance)
+        row("  lasting (noise removed, priced)", "expert_load_lasting_max_over_mean", lambda v: f"{v:.3f}")
     row("all-to-all time, slowest stage", "alltoall_time_s_per_step", lambda v: f"{v:.2f} s")
     if "predicted_step_time_s" in m:  # the instance has a performance block
         for label, key, fmt in _PREDICTED_ROWS:
@@ -280,6 +282,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         ("busiest NIC bytes (held-out)", "heldout_max_gpu_cross_domain_bytes_per_step", _gb),
         ("remote domains/token (held-out)", "heldout_remote_domains_per_token", lambda v: f"{v:.3f}"),
         ("expert load max/mean (held-out)", "heldout_expert_load_max_over_mean", lambda v: f"{v:.3f}"),
+        ("  lasting, noise removed (held-out)", "heldout_expert_load_lasting_max_over_mean", lambda v: f"{v:.3f}"),
         ("all-to-all s, slowest stage (h-o)", "heldout_alltoall_time_s_per_step", lambda v: f"{v:.2f}"),
     ]:
         ratio = m[key] / b[key] if b[key] else float("nan")

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from placement.imbalance import lasting_max_over_mean_per_layer
 from placement.model import CostMode, Instance, InvalidInputError, Placement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,6 +97,10 @@ class Metrics:
     # (num_moe_layers,) busiest GPU's NVLink bytes (received copies, one direction, like the NIC
     # column); empty in Metrics built before this field existed
     max_gpu_nvlink_bytes_per_layer: list[float] = field(default_factory=list)
+    # (num_moe_layers,) the load ratio above with the window's sampling noise removed
+    # (placement.imbalance); what the step-time model prices.  Empty in Metrics built before it.
+    expert_load_lasting_max_over_mean_per_layer: list[float] = field(default_factory=list)
+    expert_load_lasting_max_over_mean: float = 0.0  # worst MoE layer of the list above (0: absent)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -326,6 +331,7 @@ def evaluate(
     layer_time = np.maximum(max_nic_layer / (cl.scaleout_gbps * 1e9), nvl.max(axis=1) / (cl.nvlink_gbps * 1e9))
     stage_time = np.bincount(layer_stage, weights=layer_time, minlength=par.pp)
     ntok = dp * tokens * num_layers
+    lasting = lasting_max_over_mean_per_layer(e2r, topk, src_group, par.ep)
     return Metrics(
         cost_mode=mode,
         window=window,
@@ -344,6 +350,8 @@ def evaluate(
         cross_domain_bytes_per_ep_group=[[float(x) for x in row] for row in cross_per_group],
         alltoall_time_s_per_layer=[float(x) for x in layer_time],
         max_gpu_nvlink_bytes_per_layer=[float(x) for x in nvl.max(axis=1)],
+        expert_load_lasting_max_over_mean_per_layer=lasting,
+        expert_load_lasting_max_over_mean=max(lasting, default=1.0),
     )
 
 

@@ -35,8 +35,10 @@ Time of one micro-batch on one GPU, layer ``l`` (forward = 1/3 of the FLOPs, bac
   HBM bandwidth): ``attn_l`` = attention, dense MLP or shared expert, plus ``layer_overhead_s``;
   ``mlp_l`` = the routed experts at the mean load (``E / ep`` grouped GEMMs of ``M = tokens x ep x
   top_k / E`` rows), times the busiest GPU's load of one micro-batch
-  (:func:`per_microbatch_load` of ``Metrics.expert_load_max_over_mean_per_layer``, 1 with
-  ``expert_load: balanced``), capped at ``capacity_factor`` when one is set (tokens over it are
+  (:func:`per_microbatch_load` of ``Metrics.expert_load_lasting_max_over_mean_per_layer``, the
+  window's load with its sampling noise removed by :mod:`placement.imbalance`, or of the raw
+  ``expert_load_max_over_mean_per_layer`` in Metrics without it; 1 with ``expert_load:
+  balanced``), capped at ``capacity_factor`` when one is set (tokens over it are
   dropped).  The last stage adds the output layer(s) and the MTP layers (MTP MoE layer ``j`` priced
   with MoE layer ``num_layers + j``'s metrics when the instance has it, else the last MoE layer's).
 - all-to-all: each transfer ``t`` (forward dispatch, forward combine, backward combine, backward
@@ -175,7 +177,10 @@ def performance_settings(perf: Performance) -> dict[str, Performance]:
 def per_microbatch_load(load_over_window: np.ndarray, pairs_per_gpu: float, ep: int) -> np.ndarray:
     """Busiest GPU's load over the mean within one micro-batch, from the window's ratio.
 
-    The evaluator gives each layer's busiest-GPU share over the whole window (a step's tokens).  One
+    ``load_over_window`` should be the lasting ratio (``Metrics.expert_load_lasting_max_over_mean_per_layer``,
+    :mod:`placement.imbalance`): the raw sampled one already holds the sample's own noise, which this
+    function would add a second time.  The evaluator gives each layer's busiest-GPU share over the
+    whole window (a step's tokens).  One
     micro-batch holds ``pairs_per_gpu`` (token, expert) pairs per GPU on average, so even at the
     window's shares each GPU's count spreads around its expectation (Poisson: standard deviation
     ``sqrt(load / pairs_per_gpu)`` in units of the mean), and the busiest of ``ep`` GPUs sits about
@@ -705,10 +710,17 @@ class StepTimeModel:
         )
 
     def predict_metrics(self, metrics: Metrics, rank2gpu: np.ndarray | None = None) -> Prediction:
-        """:meth:`predict` on a :class:`~placement.cost.Metrics` (each transfer on its own link)."""
+        """:meth:`predict` on a :class:`~placement.cost.Metrics` (each transfer on its own link).
+
+        The load priced is the Metrics' lasting one (``expert_load_lasting_max_over_mean_per_layer``,
+        the window's sampling noise removed) when present, else the raw sampled ratio.
+        """
+        # The lasting load (sampling noise removed, placement.imbalance) when the evaluator gave it;
+        # per_microbatch_load adds the spread of one micro-batch on top.
+        lasting = getattr(metrics, "expert_load_lasting_max_over_mean_per_layer", None)
         return self.predict(
             metrics.alltoall_time_s_per_layer,
-            metrics.expert_load_max_over_mean_per_layer,
+            lasting or metrics.expert_load_max_over_mean_per_layer,
             rank2gpu,
             nic_bytes_per_layer=metrics.max_gpu_cross_domain_bytes_per_layer,
             nvlink_bytes_per_layer=getattr(metrics, "max_gpu_nvlink_bytes_per_layer", None),
