@@ -411,6 +411,12 @@ def _footprint_lines(instance: Instance, result: SolveResult) -> list[str]:
     for s, f in enumerate(feet):
         if len(f) > 1:
             lines.append(f"  stage {s} over {len(f)} domains (domain:GPUs): " + " + ".join(f"d{d}:{n}" for d, n in f))
+    split = result.details.get("pipeline_layout") if isinstance(result.details, dict) else None
+    if split:  # the pipeline layer split the solve chose (placement.pipeline_split)
+        own = split["candidates"]["instance"]
+        lines.append(f"  pipeline layout: {split['chosen']} (instance's {own['layout']}; predicted step, sampled: "
+                     f"{split['candidates'][split['candidate']]['predicted_step_time_s']:.4g} s against "
+                     f"{own['predicted_step_time_s']:.4g} s)")
     return lines
 
 

@@ -190,7 +190,8 @@ def test_balanced_load_without_communication_is_the_compute_bound_step():
     inst = dataclasses.replace(TINY, performance=perf)
     model = StepTimeModel(inst)
     n = inst.model.num_moe_layers
-    pred = model.predict([0.0] * n, [2.5] * n, default_placement(inst).rank2gpu)
+    # communication=False: no pipeline sends either (they are priced whatever the all-to-all).
+    pred = model.predict([0.0] * n, [2.5] * n, default_placement(inst).rank2gpu, communication=False)
     # By hand: dense FLOPs at the dense rate (attention's score/value products at the BF16 rate),
     # routed FLOPs at the expert rate times one micro-batch's busiest-GPU load (balanced routing:
     # 1 + sqrt(2 ln ep) * sqrt(1 / pairs)), slowest stage, (m + (pp - 1) / vpp) slots.
