@@ -449,16 +449,14 @@ def solve(
     if problems:
         raise SolverError(f"solver {solver!r} returned an invalid placement: {problems[0]}")
     details = dict(result.details)
-    scored = instance
     if (pipeline_split and objective == "step_time" and instance.performance is not None and instance.parallel.pp > 1
             and move_request is None):
-        from placement.pipeline_layout import with_layout
         from placement.pipeline_split import choose_layout
 
         choice = choose_layout(instance, result.placement)
         details["pipeline_layout"] = choice.to_dict()
-        scored = with_layout(instance, choice.chunks)
-    metrics = report(scored, result.placement)
+        result = dataclasses.replace(result, placement=dataclasses.replace(result.placement, pipeline_layout=choice.chunks))
+    metrics = report(instance, result.placement)
     params = {**result.params, "seed": seed, "time_limit_s": time_limit_s}
     if instance.routing.num_windows > 1:  # the fit matters only with several sampled windows
         params["fit"] = fit
@@ -686,11 +684,8 @@ def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
 
 
 def result_pipeline_layout(instance: Instance, result: SolveResult) -> tuple[str, ...]:
-    """The chunk list a solve result was scored with: the chosen split, else the instance's layout."""
-    from placement.pipeline_layout import parse_layout
-
-    chosen = result.details.get("pipeline_layout", {}).get("chosen")
-    return parse_layout(chosen) if chosen else instance.parallel.pipeline_layout
+    """The chunk list a solve result was scored with: its placement's, else the instance's layout."""
+    return result.placement.pipeline_layout or instance.parallel.pipeline_layout
 
 
 def save_result(instance: Instance, result: SolveResult, path: str | os.PathLike[str]) -> None:

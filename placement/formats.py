@@ -1197,7 +1197,8 @@ def placement_document(
         "consumer": consumer,
         "group_preserving": group_preserving,
         **({"apply": apply} if apply is not None else {}),
-        **({"pipeline_model_parallel_layout": render_layout(pipeline_layout)} if pipeline_layout else {}),
+        **({"pipeline_model_parallel_layout": render_layout(pipeline_layout or placement.pipeline_layout)}
+           if pipeline_layout or placement.pipeline_layout else {}),
         "rank2gpu": [int(x) for x in placement.rank2gpu],
         "phy2log": [[int(x) for x in row] for row in placement.phy2log],
         "metrics": metrics or {},
@@ -1242,7 +1243,9 @@ def read_placement(path: str | os.PathLike) -> tuple[Placement, dict]:
         raise _fail(where, "phy2log", "expected every layer's map to have the same length")
     width = len(rows[0]) if rows else 0
     phy2log = np.array(rows, dtype=np.int64).reshape(len(rows), width)
-    return Placement(np.array(doc["rank2gpu"], dtype=np.int64).reshape(-1), phy2log), doc
+    layout = parse_layout(doc["pipeline_model_parallel_layout"], f"{where}: pipeline_model_parallel_layout") \
+        if "pipeline_model_parallel_layout" in doc else ()
+    return Placement(np.array(doc["rank2gpu"], dtype=np.int64).reshape(-1), phy2log, layout), doc
 
 
 if __name__ == "__main__":  # python -m placement.formats: regenerate the published JSON Schemas

@@ -524,10 +524,13 @@ class Placement:
     MoE layer; slot ``p`` sits on EP rank ``p // experts_per_rank`` of every EP group of the
     layer's stage (all EP groups of a stage share the layer's expert map, as expert-data-parallel
     replicas must).
+    ``pipeline_layout``: the pipeline layout (chunk list, :attr:`ParallelLayout.pipeline_layout`)
+    the placement runs with; empty: the instance's.  The evaluator's report applies it.
     """
 
     rank2gpu: np.ndarray
     phy2log: np.ndarray
+    pipeline_layout: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank2gpu", _frozen(np.asarray(self.rank2gpu, dtype=np.int64)))
