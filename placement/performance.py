@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from placement.pipeline_layout import legacy_chunks
+from placement.pipeline_layout import legacy_chunks, p2p_bytes_per_boundary, stage_items
 from placement.perfdata import (
     CALIBRATED_GEMM_EFFICIENCY,
     DEEPSEEK_V3,
@@ -259,47 +259,6 @@ def _mtp_projection_flops_per_token(hidden_size: int) -> float:
 def _loss_flops_per_token(arch: Architecture, hidden_size: int) -> float:
     """The loss item ``L``: the output layer of the main head and of every MTP head, per token."""
     return 3 * 2 * float(hidden_size * arch.vocab_size * (arch.mtp_num_layers + 1))
-
-
-def stage_items(instance: Instance, mtp_num_layers: int) -> list[list[tuple[str, int]]]:
-    """(pp,) what each pipeline stage holds, in run order: ``("E", 0)``, ``("t", layer)``,
-    ``("m", j)`` (MTP layer ``j``), ``("L", 0)``.
-
-    From ``parallel.pipeline_layout`` (every virtual stage of a rank, in virtual-stage order) or,
-    without one, ``stage_layers`` with ``E`` on the first stage and the MTP layers and ``L`` on the
-    last.
-    """
-    par = instance.parallel
-    n = instance.model.num_layers
-    if not par.pipeline_layout:
-        out: list[list[tuple[str, int]]] = [[("t", x) for x in layers if x < n] for layers in par.stage_layers]
-        out[0].insert(0, ("E", 0))
-        out[-1].extend([("m", j) for j in range(mtp_num_layers)] + [("L", 0)])
-        return out
-    out = [[] for _ in range(par.pp)]
-    layer = mtp = 0
-    for i, chunk in enumerate(par.pipeline_layout):
-        for c in chunk:
-            if c == "t":
-                out[i % par.pp].append(("t", layer))
-                layer += 1
-            elif c == "m":
-                out[i % par.pp].append(("m", mtp))
-                mtp += 1
-            else:
-                out[i % par.pp].append((c, 0))
-    return out
-
-
-def p2p_bytes_per_boundary(instance: Instance) -> float:
-    """Bytes one rank sends across one pipeline boundary per micro-batch, one direction.
-
-    Megatron-Core sends the activations ``micro_batch x seq_len / cp x hidden`` in BF16 (2 bytes),
-    split over the ``tp`` ranks with sequence parallelism (``p2p_communication.py``,
-    ``get_tensor_shapes`` in ``schedules.py``); the backward sends their gradient, the same size.
-    """
-    par = instance.parallel
-    return float(par.micro_batch * par.seq_len / par.cp * instance.model.hidden_size * 2 / par.tp)
 
 
 def _head_flops_per_token(arch: Architecture, hidden_size: int) -> float:
