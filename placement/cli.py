@@ -210,6 +210,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                 finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
                 **moves_kwargs,
                 fit=args.fit,
+                pipeline_split=not args.keep_pipeline_layout,
             )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
@@ -666,6 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instances with several sampled windows (routing.window_tokens): fit the expert maps to the "
                          "worst window (robust, default), their mean, or the latest only; the guard against the "
                          "default map judges on the latest window. No effect with one window")
+    so.add_argument("--keep-pipeline-layout", action="store_true",
+                    help="keep the instance's pipeline layer split (default: choose it for the placement, "
+                         "docs/pipeline_layout.md)")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
     so.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
     so.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)

@@ -384,3 +384,15 @@ def test_solve_records_the_chosen_layout_and_exports_it(tmp_path, tiny):
     no_mtp = dataclasses.replace(inst, parallel=dataclasses.replace(inst.parallel, pipeline_layout=("Ett", "t", "t", "tL")))
     fqns, _ = torchtitan_module_fqns(no_mtp)
     assert fqns == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2"], ["layers.3"], ["layers.4", "norm", "lm_head"]]
+
+
+def test_keep_pipeline_layout_keeps_the_instances_split(tmp_path, tiny):
+    from placement.cli import main
+
+    out = tmp_path / "keep.json"
+    assert main(["solve", str(INSTANCES / "tiny.json"), "--time-limit", "8", "--keep-pipeline-layout", "-q",
+                 "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "pipeline_model_parallel_layout" not in doc and "pipeline_layout" not in doc["solve"]["details"]
+    pl = Placement(np.array(doc["rank2gpu"]), np.array(doc["phy2log"]))
+    assert doc["metrics"]["predicted_step_time_s"] == pytest.approx(report(tiny, pl)["predicted_step_time_s"], rel=1e-12)
