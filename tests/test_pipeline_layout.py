@@ -179,40 +179,38 @@ def test_a_legacy_instance_prices_the_same_as_its_equivalent_layout(tiny):
 
 
 def test_mtp_and_loss_are_priced_on_the_stages_that_hold_them(tiny):
-    """Moving the loss to another stage than MTP moves the loss's seconds there, counted by hand."""
+    """The loss by hand (6 h V (1 + mtp) FLOPs per token at the dense rate) lands on the stage that
+    holds L; the step without communication is (M + (pp - 1)/vpp) x the slowest stage's sum."""
     pl = _identity(tiny)
     perf = dataclasses.replace(tiny.performance, overlap="none")
     base = dataclasses.replace(tiny, performance=perf)
-    together = with_layout(base, parse_layout("Ettt|tmL"))
-    apart = with_layout(base, parse_layout("Etttt|mL"))
-    apart2 = with_layout(base, parse_layout("Ettttm|L"))
-    m = evaluate(together, pl, window="sampled")
-
-    def comp(inst):
+    par, arch, h = tiny.parallel, perf.architecture, tiny.model.hidden_size
+    tokens = par.micro_batch * par.seq_len / (par.tp * par.cp)
+    loss_by_hand = tokens * 6 * h * arch.vocab_size * (1 + arch.mtp_num_layers) / (perf.peak_flops_per_s * perf.gemm_efficiency)
+    m = evaluate(with_layout(base, parse_layout("Ettt|tmL")), pl, window="sampled")
+    per_item = {}
+    for text in ("Ettt|tmL", "Etttt|mL", "Ettttm|L"):
+        inst = with_layout(base, parse_layout(text))
         mdl = StepTimeModel(inst)
         _, _, c, _ = mdl.item_times_s(m.alltoall_time_s_per_layer, m.expert_load_max_over_mean_per_layer,
                                       communication=False)
-        items = [it for s in stage_items(inst, 1) for it in s]
-        return dict(zip(items, c)), [sum(c[i] for i, _ in enumerate(items) if i in idx) for idx in _stage_index(inst)]
-
-    def _stage_index(inst):
-        out, k = [], 0
-        for s in stage_items(inst, 1):
-            out.append(set(range(k, k + len(s))))
-            k += len(s)
-        return out
-
-    items, stages = comp(apart2)
-    loss = items[("L", 0)]
-    mtp = items[("m", 0)]
-    assert loss > 0 and mtp > 0 and items[("E", 0)] == 0.0
-    assert stages[1] == pytest.approx(loss, rel=1e-12)  # stage 1 holds the loss alone
-    items_b, stages_b = comp(apart)
-    assert stages_b[1] == pytest.approx(mtp + loss, rel=1e-12)
-    # The same items cost the same wherever they sit (MTP's MoE layer priced with its own metrics).
-    assert items_b[("L", 0)] == pytest.approx(loss, rel=1e-12) and items_b[("m", 0)] == pytest.approx(mtp, rel=1e-12)
-    # And the MoE layer of MTP now runs on stage 0's EP groups.
-    assert apart2.moe_layer2stage[-1] == 0 and together.moe_layer2stage[-1] == 1
+        held = stage_items(inst, 1)
+        sums, k = [], 0
+        for items in held:
+            sums.append(float(c[k:k + len(items)].sum()))
+            for it, x in zip(items, c[k:k + len(items)]):
+                per_item[text, it] = float(x)
+            k += len(items)
+        assert per_item[text, ("L", 0)] == pytest.approx(loss_by_hand, rel=1e-12)
+        assert per_item[text, ("E", 0)] == 0.0
+        pred = mdl.predict(m.alltoall_time_s_per_layer, m.expert_load_max_over_mean_per_layer, communication=False)
+        want = (par.micro_batches_per_step + (par.pp - 1) / perf.vpp) * max(sums)
+        assert pred.step_time_s == pytest.approx(want, rel=1e-12)
+        if text == "Ettttm|L":
+            assert sums[1] == pytest.approx(loss_by_hand, rel=1e-12)  # stage 1 holds the loss alone
+            assert inst.moe_layer2stage[-1] == 0  # decoder MoE layer 3 moved to stage 0 with it
+    # MTP costs the same wherever it sits (the same metrics stand in for its MoE part).
+    assert per_item["Etttt|mL", ("m", 0)] == pytest.approx(per_item["Ettttm|L", ("m", 0)], rel=1e-12)
 
 
 def test_pipeline_sends_are_priced_on_the_link_they_cross(tiny, dsv3):
