@@ -86,6 +86,7 @@ def dsv3_variant(
         description=f"notebook variant {name}",
         num_layers=3 + moe_layers,
         stage_sizes=_stage_sizes(3, moe_layers, pp),
+        pipeline_layout="",  # the recipe's 61-layer layout does not fit a variant's layers
         ep=ep,
         dp=dp,
         pp=pp,

@@ -69,6 +69,7 @@ __all__ = [
     "calibrate",
     "solver_names",
     "estimate_finish_s",
+    "SPLIT_SCORING_RUNS",
     "solver_budget_s",
     "STARTUP_RESERVE_S",
     "solve",
@@ -105,6 +106,9 @@ STARTUP_RESERVE_S = 1.0
 # of 4 on two cores), so that the wall-clock deadline, a safety net, does not end the work and the
 # file does not depend on how busy the machine is (tests/test_determinism_under_load.py).
 LOAD_HEADROOM = 2.0
+# Sampled-window evaluations placement.pipeline_split.choose_layout runs at most (item prices and
+# four candidates).
+SPLIT_SCORING_RUNS = 5
 MAX_SEED = 2**31 - 1  # CP-SAT's random_seed is a 32-bit integer
 MAX_WORKERS = 1024
 
@@ -213,11 +217,15 @@ def estimate_finish_s(instance: Instance) -> float:
     """Seconds to keep back for checking, scoring and writing a solver's answer.
 
     :data:`FINISH_RESERVE_S` plus :data:`SCORING_S_PER_EXPERT_ID` per routed expert id of both
-    windows (about 1.1 s for dsv3_1024).
+    windows (about 1.1 s for dsv3_1024), plus :data:`SPLIT_SCORING_RUNS` sampled windows for the
+    pipeline split when the instance has a pipeline and a performance block.
     """
     ids = instance.routing.topk.size
     if instance.routing.heldout_topk is not None:
         ids += instance.routing.heldout_topk.size
+    if instance.performance is not None and instance.parallel.pp > 1:
+        # The pipeline split's scoring (placement.pipeline_split): up to five sampled-window runs.
+        ids += SPLIT_SCORING_RUNS * instance.routing.topk.size
     return FINISH_RESERVE_S + SCORING_S_PER_EXPERT_ID * ids
 
 
@@ -300,6 +308,7 @@ def solve(
     fit: Fit = "robust",
     redundant_experts: int = 0,
     replica_rule: str = "hottest",
+    pipeline_split: bool = True,
 ) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
 
@@ -366,6 +375,11 @@ def solve(
         replicas are chosen after the permutation by ``replica_rule`` (``hottest`` or ``eplb``,
         :mod:`placement.replicas`) and returned in ``details["replicas"]``, which the placement
         file holds as its ``replicas`` block.  The evaluator does not price them yet.
+    pipeline_split : with the ``step_time`` objective, a performance block, ``pp > 1`` and no
+        ``previous``, choose the pipeline layer split for the answer's placement
+        (:func:`placement.pipeline_split.choose_layout`; never slower than the instance's split on
+        the sampled window); ``details["pipeline_layout"]`` reports the candidates and the metrics
+        are those of the chosen layout.  False keeps the instance's split.
 
     Returns
     -------
@@ -448,11 +462,18 @@ def solve(
     problems = check(instance, result.placement)
     if problems:
         raise SolverError(f"solver {solver!r} returned an invalid placement: {problems[0]}")
+    details = dict(result.details)
+    if (pipeline_split and objective == "step_time" and instance.performance is not None and instance.parallel.pp > 1
+            and move_request is None):
+        from placement.pipeline_split import choose_layout
+
+        choice = choose_layout(instance, result.placement)
+        details["pipeline_layout"] = choice.to_dict()
+        result = dataclasses.replace(result, placement=dataclasses.replace(result.placement, pipeline_layout=choice.chunks))
     metrics = report(instance, result.placement)
     params = {**result.params, "seed": seed, "time_limit_s": time_limit_s}
     if instance.routing.num_windows > 1:  # the fit matters only with several sampled windows
         params["fit"] = fit
-    details = dict(result.details)
     if stop_event is not None and stop_event.is_set():
         details["interrupted"] = True
     if redundant_experts:  # the replica block of the placement file (placement/formats_replicas.py)
@@ -677,7 +698,13 @@ def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
         metrics=result.metrics,
         solve=solve_info,
         replicas=result.details.get("replicas"),
+        pipeline_layout=result_pipeline_layout(instance, result),
     )
+
+
+def result_pipeline_layout(instance: Instance, result: SolveResult) -> tuple[str, ...]:
+    """The chunk list a solve result was scored with: its placement's, else the instance's layout."""
+    return result.placement.pipeline_layout or instance.parallel.pipeline_layout
 
 
 def save_result(instance: Instance, result: SolveResult, path: str | os.PathLike[str]) -> None:

@@ -57,6 +57,13 @@ def check(instance: Instance, placement: Placement) -> list[str]:
                 f"phy2log[{li}]: not a permutation of the {E} experts "
                 f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, repeated or invalid {extra[:5]})"
             )
+    if placement.pipeline_layout:  # the layout it runs with must fit the instance (Megatron's rules)
+        from placement.pipeline_layout import with_layout
+
+        try:
+            with_layout(instance, placement.pipeline_layout)
+        except InvalidInputError as exc:
+            out.append(str(exc))
     return out
 
 

@@ -215,6 +215,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                 fit=args.fit,
                 redundant_experts=args.redundant_experts,
                 replica_rule=args.replica_rule,
+                pipeline_split=not args.keep_pipeline_layout,
             )
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
@@ -434,6 +435,12 @@ def _footprint_lines(instance: Instance, result: SolveResult) -> list[str]:
     for s, f in enumerate(feet):
         if len(f) > 1:
             lines.append(f"  stage {s} over {len(f)} domains (domain:GPUs): " + " + ".join(f"d{d}:{n}" for d, n in f))
+    split = result.details.get("pipeline_layout") if isinstance(result.details, dict) else None
+    if split:  # the pipeline layer split the solve chose (placement.pipeline_split)
+        own = split["candidates"]["instance"]
+        lines.append(f"  pipeline layout: {split['chosen']} (instance's {own['layout']}; predicted step, sampled: "
+                     f"{split['candidates'][split['candidate']]['predicted_step_time_s']:.4g} s against "
+                     f"{own['predicted_step_time_s']:.4g} s)")
     return lines
 
 
@@ -728,6 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instances with several sampled windows (routing.window_tokens): fit the expert maps to the "
                          "worst window (robust, default), their mean, or the latest only; the guard against the "
                          "default map judges on the latest window. No effect with one window")
+    so.add_argument("--keep-pipeline-layout", action="store_true",
+                    help="keep the instance's pipeline layer split (default: choose it for the placement, "
+                         "docs/pipeline_layout.md)")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
     so.add_argument("--redundant-experts", type=int, default=0, metavar="N",
                     help="N extra expert slots per MoE layer for replicas of hot experts (N / ep per GPU; E + N must "

@@ -359,8 +359,13 @@ def report(instance: Instance, placement: Placement) -> dict:
     """Metrics on the sampled and the held-out window, in the instance's cost mode, as one dict.
 
     Keys of the sampled window are plain (``cross_domain_bytes_per_step``, ...); the held-out
-    window's carry the prefix ``heldout_``; per-layer and per-stage arrays are included.
+    window's carry the prefix ``heldout_``; per-layer and per-stage arrays are included.  A
+    placement that carries a pipeline layout is scored with it (:mod:`placement.pipeline_layout`).
     """
+    if placement.pipeline_layout:
+        from placement.pipeline_layout import with_layout
+
+        instance = with_layout(instance, placement.pipeline_layout)
     layout = LayoutIndex(instance, placement.rank2gpu, instance.routing.tokens_per_source)
     out: dict = {}
     sampled = evaluate(instance, placement, window="sampled", layout=layout).to_dict()

@@ -640,6 +640,10 @@ def load_for_export(
     instance = read_instance(instance_path)
     require_placement_of(instance, placement, doc, placement_path, instance_path,
                          advice=": export it against the instance it was solved for")
+    if "pipeline_model_parallel_layout" in doc:  # the split the solve chose (placement.pipeline_split)
+        from placement.pipeline_layout import parse_layout, with_layout
+
+        instance = with_layout(instance, parse_layout(doc["pipeline_model_parallel_layout"]))
     return instance, placement, doc
 
 

@@ -46,6 +46,7 @@ from placement.perfdata import (
     Architecture,
     Performance,
 )
+from placement.pipeline_layout import parse_layout, render_layout, stage_decoder_layers, validate_chunks
 from placement.schema import Any_, Bool, Int, List, Num, Obj, Str, to_json_schema, validate
 from placement.formats_replicas import REPLICAS_SPEC
 
@@ -164,9 +165,15 @@ INSTANCE_SPEC = Obj(
                 "pp": Int("Pipeline-parallel size.", 1, 1_000_000),
                 "order": Str("Megatron order string, first name fastest, e.g. tp-cp-ep-dp-pp."),
                 "stage_layers": List(
-                    "Per pipeline stage, the 0-based layer indices it holds; every layer exactly once.",
+                    "Per pipeline stage, the 0-based layer indices it holds; every layer exactly once "
+                    "(may be left out when pipeline_model_parallel_layout is given).",
                     List("Layer indices of one stage.", Int("Layer index.", 0)),
                     1,
+                ),
+                "pipeline_model_parallel_layout": Str(
+                    "Megatron-Core's --pipeline-model-parallel-layout (E embedding, t decoder layer, m MTP, "
+                    "L loss, | between virtual stages, (..)*n repeats): pp * vpp stages, stage i on pipeline "
+                    "rank i % pp; absent: E on the first stage, MTP and L on the last."
                 ),
                 "expert_slots_per_rank": Int(
                     "Expert slots each EP rank holds; slots * ep must equal num_experts.", 1, 1_000_000
@@ -181,7 +188,7 @@ INSTANCE_SPEC = Obj(
                 "micro_batch": Int("Sequences per micro-batch.", 1, MAX_INT, "sequences"),
                 "global_batch": Int("Sequences per optimizer step.", 1, MAX_INT, "sequences"),
             },
-            optional=frozenset({"expert_slots_per_rank", "etp"}),
+            optional=frozenset({"expert_slots_per_rank", "etp", "stage_layers", "pipeline_model_parallel_layout"}),
         ),
         "cluster": Obj(
             "NVLink domains (racks) of trays (hosts) of GPUs.",
@@ -422,6 +429,10 @@ PLACEMENT_SPEC = Obj(
         "apply": Str("How the expert maps are applied (runtime: dispatch-time map; checkpoint: router and "
                      "experts renumbered offline); what export --format megatron|torchtitan writes.", APPLY_MODES),
         "consumer": Str("Consumer rule the layout obeys (none, deepep, hybridep)."),
+        "pipeline_model_parallel_layout": Str(
+            "The pipeline layout the placement was scored with and is launched with (Megatron-Core's "
+            "--pipeline-model-parallel-layout); absent: the instance's."
+        ),
         "rank2gpu": List("Physical GPU id of each global rank.", Int("GPU id.", 0, MAX_INT)),
         "phy2log": List(
             "Per MoE layer, the logical expert of each physical slot; slot p on EP rank p // slots_per_rank.",
@@ -431,7 +442,8 @@ PLACEMENT_SPEC = Obj(
         "solve": Any_("Solver report: status, objective, bound, gap, per-layer details."),
         "replicas": REPLICAS_SPEC,
     },
-    optional=frozenset({"params", "metrics", "solve", "consumer", "group_preserving", "apply", "replicas"}),
+    optional=frozenset({"params", "metrics", "solve", "consumer", "group_preserving", "apply", "replicas",
+                        "pipeline_model_parallel_layout"}),
 )
 
 
@@ -630,6 +642,7 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
             f"expert-tensor-parallel size {p['etp']} is not supported (only {', '.join(map(str, SUPPORTED_ETP))}: "
             "each expert whole on one GPU); launch Megatron with --expert-tensor-parallel-size 1",
         )
+    _check_pipeline_layout(doc, where)
     if len(p["stage_layers"]) != p["pp"]:
         raise _fail(where, "parallel.stage_layers", f"expected {p['pp']} stages (pp), found {len(p['stage_layers'])}")
     seen = sorted(x for st in p["stage_layers"] for x in st)
@@ -669,6 +682,36 @@ def _check_instance_semantics(doc: dict, where: Path) -> None:
         _check_performance(doc, where)
 
 
+def _layout_mtp_layers(doc: dict) -> int:
+    """MTP layers of an instance document: the model's, else the performance architecture's."""
+    m = doc["model"].get("mtp_num_layers", 0)
+    return m or doc.get("performance", {}).get("architecture", {}).get("mtp_num_layers", 0)
+
+
+def _check_pipeline_layout(doc: dict, where: Path) -> None:
+    """Parse and check ``parallel.pipeline_model_parallel_layout``; fill ``stage_layers`` from it.
+
+    Megatron-Core 0.16.1's rules (:func:`placement.pipeline_layout.validate_chunks`); a given
+    ``stage_layers`` must list the same layers per stage as the layout.
+    """
+    p = doc["parallel"]
+    field = "parallel.pipeline_model_parallel_layout"
+    if "pipeline_model_parallel_layout" not in p:
+        if "stage_layers" not in p:
+            raise _fail(where, "parallel.stage_layers", "required when parallel.pipeline_model_parallel_layout is absent")
+        return
+    try:
+        chunks = parse_layout(p["pipeline_model_parallel_layout"], field)
+        validate_chunks(chunks, p["pp"], doc["model"]["num_layers"], _layout_mtp_layers(doc), field)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{where}: {exc}") from None
+    derived = [list(x) for x in stage_decoder_layers(chunks, p["pp"])]
+    if "stage_layers" in p and [sorted(x) for x in p["stage_layers"]] != derived:
+        raise _fail(where, "parallel.stage_layers", "disagrees with parallel.pipeline_model_parallel_layout "
+                    "(leave it out, or list each stage's decoder layers as the layout numbers them)")
+    p["stage_layers"] = derived
+
+
 def _check_performance(doc: dict, where: Path) -> None:
     perf, p = doc["performance"], doc["parallel"]
     for key in (
@@ -700,6 +743,13 @@ def _check_performance(doc: dict, where: Path) -> None:
         )
     vpp = perf.get("vpp", 1)
     num_layers = doc["model"]["num_layers"]
+    if "pipeline_model_parallel_layout" in p:
+        stages = len(parse_layout(p["pipeline_model_parallel_layout"]))
+        if stages != vpp * p["pp"]:
+            raise _fail(where, "performance.vpp", f"vpp={vpp} but parallel.pipeline_model_parallel_layout has "
+                        f"{stages} stages = pp * {stages // p['pp']}")
+        _check_overlap(where, perf.get("overlap", "1f1b"), p["pp"], vpp, p["ep"], arch.get("mtp_num_layers", 0))
+        return
     slots = [sum(1 for layer in s if layer < num_layers) for s in p["stage_layers"]]
     slots[0] += 1
     slots[-1] += arch.get("mtp_num_layers", 0) + 1
@@ -1040,6 +1090,7 @@ def read_instance(path: str | os.PathLike) -> Instance:
         micro_batch=p["micro_batch"],
         global_batch=p["global_batch"],
         etp=p.get("etp", 1),
+        pipeline_layout=parse_layout(p["pipeline_model_parallel_layout"]) if "pipeline_model_parallel_layout" in p else (),
     )
     cluster = cluster_from_section(c)
     digest = hashlib.sha256(raw + b"\0" + npz_raw).hexdigest()
@@ -1095,6 +1146,7 @@ def instance_document(instance: Instance, npz_name: str) -> dict:
             "micro_batch": p.micro_batch,
             "global_batch": p.global_batch,
             **({"etp": p.etp} if p.etp != 1 else {}),  # absent means 1 (keeps older files byte for byte)
+            **({"pipeline_model_parallel_layout": render_layout(p.pipeline_layout)} if p.pipeline_layout else {}),
         },
         "cluster": cluster_section(c),
         "routing": {"file": npz_name, "generator": instance.extra.get("generator", {})},
@@ -1151,9 +1203,14 @@ def placement_document(
     solve: dict | None = None,
     apply: str | None = None,
     replicas: dict | None = None,
+    pipeline_layout: tuple[str, ...] = (),
 ) -> dict:
-    """The JSON document of a placement (deterministic: no wall-clock values); ``replicas``: the
-    block of :func:`placement.formats_replicas.replicas_document`."""
+    """The JSON document of a placement (deterministic: no wall-clock values).
+
+    ``replicas``: the block of :func:`placement.formats_replicas.replicas_document`.
+    ``pipeline_layout``: the chunk list the placement was scored with, when it differs from the
+    instance's or the instance has one (written as ``pipeline_model_parallel_layout``).
+    """
     doc = {
         "schema_version": PLACEMENT_SCHEMA_VERSION,
         "kind": "placement",
@@ -1164,6 +1221,8 @@ def placement_document(
         "consumer": consumer,
         "group_preserving": group_preserving,
         **({"apply": apply} if apply is not None else {}),
+        **({"pipeline_model_parallel_layout": render_layout(pipeline_layout or placement.pipeline_layout)}
+           if pipeline_layout or placement.pipeline_layout else {}),
         "rank2gpu": [int(x) for x in placement.rank2gpu],
         "phy2log": [[int(x) for x in row] for row in placement.phy2log],
         "metrics": metrics or {},
@@ -1222,7 +1281,9 @@ def read_placement(path: str | os.PathLike) -> tuple[Placement, dict]:
         raise _fail(where, "phy2log", "expected every layer's map to have the same length")
     width = len(rows[0]) if rows else 0
     phy2log = np.array(rows, dtype=np.int64).reshape(len(rows), width)
-    return Placement(np.array(doc["rank2gpu"], dtype=np.int64).reshape(-1), phy2log), doc
+    layout = parse_layout(doc["pipeline_model_parallel_layout"], f"{where}: pipeline_model_parallel_layout") \
+        if "pipeline_model_parallel_layout" in doc else ()
+    return Placement(np.array(doc["rank2gpu"], dtype=np.int64).reshape(-1), phy2log, layout), doc
 
 
 if __name__ == "__main__":  # python -m placement.formats: regenerate the published JSON Schemas

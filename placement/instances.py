@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from placement.formats import write_instance
+from placement.pipeline_layout import parse_layout, stage_decoder_layers, validate_chunks
 from placement.generator import TRAINED_MODEL_PARAMS, generate_routing
 from placement.performance import DEEPSEEK_V3, QWEN3_235B_A22B, Architecture, Performance
 from placement.model import (
@@ -80,6 +81,9 @@ class InstanceSpec:
     # routing is generated as the layers after the decoder's last.  0: the MTP layers (if the
     # performance block counts any) are not placed.
     mtp_moe_layers: int = 0
+    # Megatron-Core's pipeline_model_parallel_layout (placement.pipeline_layout); "" for none.  When
+    # given, stage_sizes must be each pipeline rank's decoder-layer count under it.
+    pipeline_layout: str = ""
 
 
 # The generator's arguments per model shape: TRAINED_MODEL_PARAMS (fitted on the trained model's 64
@@ -130,7 +134,11 @@ SPECS: dict[str, InstanceSpec] = {
             ep=64,
             dp=64,
             pp=16,
-            stage_sizes=(3,) + (4,) * 14 + (2,),
+            stage_sizes=(4,) * 15 + (1,),
+            # Megatron-Bridge's DeepSeek-V3 PP16 layout ([E+4] | [4]x14 | [1+mtp+loss],
+            # src/megatron/bridge/recipes/deepseek/deepseek_v3.py at 05d003fb), each rank's layers
+            # split over the instance's two virtual stages.
+            pipeline_layout="Ett|(tt|)*14,t|(tt|)*15,mL",
             seq_len=4096,
             micro_batch=1,
             global_batch=8192,
@@ -163,7 +171,9 @@ SPECS: dict[str, InstanceSpec] = {
             ep=64,
             dp=64,
             pp=4,
-            stage_sizes=(15, 16, 16, 14),
+            stage_sizes=(16, 16, 16, 13),
+            # Megatron-Bridge's DeepSeek-V3 layout for PP4 VPP4 (the same file and commit).
+            pipeline_layout="Et*4|(t*4|)*14,tmL",
             seq_len=4096,
             micro_batch=1,
             global_batch=2048,
@@ -296,6 +306,13 @@ def build(spec: InstanceSpec) -> Instance:
     assert sum(spec.stage_sizes) == spec.num_layers and len(spec.stage_sizes) == spec.pp
     bounds = np.cumsum((0,) + spec.stage_sizes)
     stage_layers = tuple(tuple(range(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:]))
+    chunks: tuple[str, ...] = ()
+    if spec.pipeline_layout:
+        chunks = parse_layout(spec.pipeline_layout)
+        mtp = spec.performance.architecture.mtp_num_layers if spec.performance is not None else spec.mtp_moe_layers
+        validate_chunks(chunks, spec.pp, spec.num_layers, mtp)
+        stage_layers = stage_decoder_layers(chunks, spec.pp)
+        assert tuple(len(s) for s in stage_layers) == spec.stage_sizes, spec.name
     model = MoEModel(
         name=spec.model_name,
         num_layers=spec.num_layers,
@@ -320,6 +337,7 @@ def build(spec: InstanceSpec) -> Instance:
         seq_len=spec.seq_len,
         micro_batch=spec.micro_batch,
         global_batch=spec.global_batch,
+        pipeline_layout=chunks,
     )
     available = np.ones(spec.num_domains * spec.trays_per_domain * spec.gpus_per_tray, dtype=bool)
     for d, t in _unavailable_trays(spec):

@@ -64,6 +64,7 @@ __all__ = [
     "torchrun_nodes",
     "megatron_args",
     "torchtitan_args",
+    "torchtitan_module_fqns",
     "launcher_script",
 ]
 
@@ -168,6 +169,9 @@ def megatron_args(instance: Instance) -> tuple[list[str], str | None]:
         "--expert-model-parallel-size", str(p.ep),
         "--expert-tensor-parallel-size", str(p.etp),
     ]  # fmt: skip
+    if p.pipeline_layout:
+        # Unrolled ("Ett|tt|...|mL"): no "*", so an unquoted $PLACEMENT_MEGATRON_ARGS cannot glob.
+        args += ["--pipeline-model-parallel-layout", "|".join(p.pipeline_layout)]
     if p.order in MEGATRON_ORDERS:
         return args + list(MEGATRON_ORDERS[p.order]), None
     return args, (
@@ -177,10 +181,21 @@ def megatron_args(instance: Instance) -> tuple[list[str], str | None]:
 
 
 def torchtitan_args(instance: Instance) -> tuple[list[str] | None, str | None]:
-    """TorchTitan 0.3.0's ``--parallelism.*`` flags, or ``None`` and why its meshes differ."""
+    """TorchTitan 0.3.0's ``--parallelism.*`` flags and a note, or ``None`` and why it cannot run it.
+
+    With a pipeline layout the note gives ``parallelism.module_fqns_per_model_part``
+    (:func:`torchtitan_module_fqns`) for the job config: TorchTitan's command line (tyro) cannot
+    spell a list of lists.
+    """
     p = instance.parallel
     if p.order != TORCHTITAN_ORDER:
         return None, f"TorchTitan's meshes use the rank order {TORCHTITAN_ORDER}, the instance {p.order}"
+    note = None
+    if p.pipeline_layout and p.pp > 1:
+        fqns, problem = torchtitan_module_fqns(instance)
+        if fqns is None:
+            return None, problem
+        note = f"set parallelism.module_fqns_per_model_part = {fqns!r} in the TorchTitan job config"
     return [
         f"--parallelism.tensor_parallel_degree={p.tp}",
         f"--parallelism.context_parallel_degree={p.cp}",
@@ -188,7 +203,37 @@ def torchtitan_args(instance: Instance) -> tuple[list[str] | None, str | None]:
         f"--parallelism.expert_parallel_degree={p.ep}",
         "--parallelism.data_parallel_replicate_degree=1",
         f"--parallelism.data_parallel_shard_degree={p.dp}",
-    ], None
+    ], note
+
+
+def torchtitan_module_fqns(instance: Instance) -> tuple[list[list[str]] | None, str]:
+    """The layout as TorchTitan 0.3.0's ``module_fqns_per_model_part``, or ``None`` and why not.
+
+    One list per (virtual) stage in Megatron's chunk order, which is TorchTitan's "loop" stage order
+    for interleaved schedules (stage ``i`` on pipeline rank ``i % pp``,
+    ``_get_pp_rank_to_stage_indices_mapping`` in ``torchtitan/distributed/pipeline_parallel.py``):
+    ``E`` -> ``tok_embeddings``, ``t`` -> ``layers.<i>``, ``L`` -> ``norm``, ``lm_head``.  A layout
+    with MTP layers has no TorchTitan form: its DeepSeek-V3 MTP refuses pipeline parallelism
+    (``torchtitan/models/deepseek_v3/mtp.py``).
+    """
+    p = instance.parallel
+    if any("m" in c for c in p.pipeline_layout):
+        return None, ("TorchTitan 0.3.0 cannot run this pipeline layout: its MTP refuses pipeline parallelism "
+                      "(torchtitan/models/deepseek_v3/mtp.py)")
+    out: list[list[str]] = []
+    layer = 0
+    for chunk in p.pipeline_layout:
+        names: list[str] = []
+        for c in chunk:
+            if c == "E":
+                names.append("tok_embeddings")
+            elif c == "t":
+                names.append(f"layers.{layer}")
+                layer += 1
+            elif c == "L":
+                names += ["norm", "lm_head"]
+        out.append(names)
+    return out, ""
 
 
 def _words(values) -> str:
@@ -244,7 +289,8 @@ def launcher_script(instance: Instance, rank2gpu: np.ndarray, hostfile_name: str
     if mega_note:
         lines.append(f"# Note: {mega_note}.")
     if titan_note:
-        lines.append(f"# Note: PLACEMENT_TORCHTITAN_ARGS is not set: {titan_note}.")
+        lines.append(f"# Note: PLACEMENT_TORCHTITAN_ARGS is not set: {titan_note}." if titan is None
+                     else f"# Note (TorchTitan): {titan_note}.")
     lines += [
         "set -eu",
         f"_pl_world={world}",

@@ -137,9 +137,10 @@ class MoEModel:
     ``moe_layers`` are the indices (0-based) of the MoE layers; every array over "MoE layers" in
     this package is indexed by position in that tuple, not by layer index.  Indices below
     ``num_layers`` are decoder layers; index ``num_layers + j`` (``0 <= j < mtp_num_layers``) is
-    the MoE layer of multi-token-prediction layer ``j``, which runs on the last pipeline stage
-    (DeepSeek-V3's MTP module: one transformer layer with its own routed experts).  An MTP layer
-    whose MLP is dense is simply not listed.
+    the MoE layer of multi-token-prediction layer ``j``, which runs on the stage holding ``m`` in
+    :attr:`ParallelLayout.pipeline_layout`, the last stage without one (DeepSeek-V3's MTP module:
+    one transformer layer with its own routed experts).  An MTP layer whose MLP is dense is simply
+    not listed.
     """
 
     name: str
@@ -253,6 +254,10 @@ class ParallelLayout:
     micro_batch: int  # sequences per micro-batch
     global_batch: int  # sequences per optimizer step
     etp: int = 1  # expert-tensor-parallel size (Megatron defaults it to tp; only 1 is modelled)
+    # Megatron-Core's pipeline_model_parallel_layout unrolled (placement.pipeline_layout): pp * vpp
+    # strings over "EtmL", chunk i on stage i % pp; stage_layers then lists each stage's decoder
+    # layers over its virtual stages.  Empty: no layout (E on the first stage, MTP and L on the last).
+    pipeline_layout: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -318,6 +323,16 @@ class ParallelLayout:
     @cached_property
     def layer2stage(self) -> dict[int, int]:
         return {layer: s for s, layers in enumerate(self.stage_layers) for layer in layers}
+
+    def item_stage(self, item: str) -> int:
+        """The stage holding layout item ``item`` (``E``, ``m`` MTP, ``L`` loss).
+
+        Without a :attr:`pipeline_layout`: ``E`` on the first stage, ``m`` and ``L`` on the last.
+        """
+        for i, chunk in enumerate(self.pipeline_layout):
+            if item in chunk:
+                return i % self.pp
+        return 0 if item == "E" else self.pp - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,10 +501,10 @@ class Instance:
 
     @cached_property
     def moe_layer2stage(self) -> np.ndarray:
-        """(num_moe_layers,) pipeline stage of each MoE layer (MTP layers: the last stage)."""
+        """(num_moe_layers,) pipeline stage of each MoE layer (MTP layers: the stage holding ``m``)."""
         l2s = self.parallel.layer2stage
-        last, m = self.parallel.pp - 1, self.model
-        return _frozen(np.array([last if m.is_mtp(layer) else l2s[layer] for layer in m.moe_layers], dtype=np.int64))
+        mtp_stage, m = self.parallel.item_stage("m"), self.model
+        return _frozen(np.array([mtp_stage if m.is_mtp(layer) else l2s[layer] for layer in m.moe_layers], dtype=np.int64))
 
     def for_solver(self) -> Instance:
         """The view a solver gets: identical, but without the held-out window."""
@@ -509,10 +524,13 @@ class Placement:
     MoE layer; slot ``p`` sits on EP rank ``p // experts_per_rank`` of every EP group of the
     layer's stage (all EP groups of a stage share the layer's expert map, as expert-data-parallel
     replicas must).
+    ``pipeline_layout``: the pipeline layout (chunk list, :attr:`ParallelLayout.pipeline_layout`)
+    the placement runs with; empty: the instance's.  The evaluator's report applies it.
     """
 
     rank2gpu: np.ndarray
     phy2log: np.ndarray
+    pipeline_layout: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank2gpu", _frozen(np.asarray(self.rank2gpu, dtype=np.int64)))

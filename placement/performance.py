@@ -89,7 +89,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from placement.compute import ComputeRates, attention_gemms, expert_gemms, head_gemms, mlp_gemms
+from placement.compute import ComputeRates, Gemm, attention_gemms, expert_gemms, head_gemms, mlp_gemms
+from placement.pipeline_layout import legacy_chunks, p2p_bytes_per_boundary, stage_items
 from placement.perfdata import (
     CALIBRATED_GEMM_EFFICIENCY,
     DEEPSEEK_V3,
@@ -132,6 +133,8 @@ __all__ = [
     "model_flops_per_token",
     "layer_flops_per_token",
     "stage_slots",
+    "stage_items",
+    "p2p_bytes_per_boundary",
     "predict",
     "prediction_keys",
     "performance_settings",
@@ -255,6 +258,17 @@ def layer_flops_per_token(
     return attn + shared, float(routed)
 
 
+def _mtp_projection_flops_per_token(hidden_size: int) -> float:
+    """One MTP layer's norms and projection (``3h + 2h^2``), forward + backward, per token."""
+    h = hidden_size
+    return 3 * 2 * float(3 * h + 2 * h * h)
+
+
+def _loss_flops_per_token(arch: Architecture, hidden_size: int) -> float:
+    """The loss item ``L``: the output layer of the main head and of every MTP head, per token."""
+    return 3 * 2 * float(hidden_size * arch.vocab_size * (arch.mtp_num_layers + 1))
+
+
 def _head_flops_per_token(arch: Architecture, hidden_size: int) -> float:
     """Output layer(s) and the MTP layers' norms and projections (not their transformer layers)."""
     h = hidden_size
@@ -295,11 +309,7 @@ def stage_slots(instance: Instance, perf: Performance | None = None) -> list[int
     Megatron's ``pipeline_model_parallel_layout``).
     """
     perf = perf or _require(instance)
-    n = instance.model.num_layers  # MTP layers (index >= num_layers) are counted on the last stage
-    slots = [sum(1 for layer in s if layer < n) for s in instance.parallel.stage_layers]
-    slots[0] += 1
-    slots[-1] += perf.architecture.mtp_num_layers + 1
-    return slots
+    return [len(items) for items in stage_items(instance, perf.architecture.mtp_num_layers)]
 
 
 def _require(instance: Instance) -> Performance:
@@ -324,6 +334,7 @@ class Prediction:
     exposed_dp_s_per_step: float  # data-parallel reduce-scatter/all-gather not hidden
     compute_bound_step_time_s: float  # the same step without any communication
     stage_time_s_per_microbatch: list[float] = field(default_factory=list)  # (pp,) tau_s
+    p2p_s_per_microbatch: list[float] = field(default_factory=list)  # (pp,) pipeline sends per stage
 
     def to_dict(self, prefix: str = "") -> dict[str, float | list[float]]:
         return {
@@ -413,11 +424,16 @@ class StepTimeModel:
                     expert_p[s] += instance.experts_per_rank * h * arch.moe_ffn_hidden_size * f
                 else:
                     dense_p[s] += attn_p + h * arch.ffn_hidden_size * f
-        dense_p[0] += arch.vocab_size * h
+        e_stage, m_stage, l_stage = par.item_stage("E"), par.item_stage("m"), par.item_stage("L")
+        dense_p[e_stage] += arch.vocab_size * h
         mtp_layer = attn_p + (h * arch.shared_expert_ffn_hidden_size * f + h * m.num_experts if last_moe else h * arch.ffn_hidden_size * f)
-        dense_p[-1] += arch.vocab_size * h + arch.mtp_num_layers * (mtp_layer + 2 * h * h)
+        dense_p[l_stage] += arch.vocab_size * h
+        if arch.mtp_num_layers:
+            dense_p[m_stage] += arch.mtp_num_layers * (mtp_layer + 2 * h * h)
+            if m_stage != e_stage:  # Megatron-Core builds an embedding on an MTP stage (gpt_model.py)
+                dense_p[m_stage] += arch.vocab_size * h
         if last_moe:
-            expert_p[-1] += arch.mtp_num_layers * instance.experts_per_rank * h * arch.moe_ffn_hidden_size * f
+            expert_p[m_stage] += arch.mtp_num_layers * instance.experts_per_rank * h * arch.moe_ffn_hidden_size * f
         self.dense_params_per_gpu = dense_p / par.tp
         self.expert_params_per_gpu = expert_p
         self._bytes_per_param = perf.grad_reduce_bytes_per_param + perf.param_gather_bytes_per_param
@@ -427,6 +443,25 @@ class StepTimeModel:
         self.flops_per_token = model_flops_per_token(instance)
         self.tokens_per_step = par.global_batch * par.seq_len
         self.world = par.world_size
+        # Pipeline point-to-point: each boundary between consecutive (virtual) stages, as (sender
+        # stage, receiver stage, bytes per rank per direction); the chunk after the MTP layers sends
+        # the main and the MTP hidden states together (Megatron-Core's mtp_standalone).
+        chunks = par.pipeline_layout or legacy_chunks(par.stage_layers, m.num_layers, arch.mtp_num_layers)
+        per_boundary = p2p_bytes_per_boundary(instance)
+        self._boundaries: list[tuple[int, int, float]] = []
+        seen_mtp = False
+        for i in range(len(chunks) - 1):
+            seen_mtp = seen_mtp or "m" in chunks[i]
+            a, b = i % par.pp, (i + 1) % par.pp
+            if a != b:
+                self._boundaries.append((a, b, per_boundary * (1 + arch.mtp_num_layers if seen_mtp else 1)))
+        # (pp, ranks_per_stage) global ranks, aligned: column k holds the same (tp, cp, dp) rank.
+        key = par.rank_coords
+        flat = key["tp"] + par.tp * (key["cp"] + par.cp * key["dp"])
+        self._stage_ranks = np.stack([np.flatnonzero(key["pp"] == st)[np.argsort(flat[key["pp"] == st], kind="stable")]
+                                      for st in range(par.pp)])
+        self._p2p_nic_bps = nic * perf.nic_efficiency
+        self._p2p_nvl_bps = nvl
         # Data-parallel groups: (pp, groups, members) global ranks, dense then expert.
         coords = par.rank_coords
         self._dense_groups = np.stack(self._dense_dp_groups(coords))
@@ -466,40 +501,44 @@ class StepTimeModel:
             expert_gemms(arch, h, tokens_mb, par.ep, m.num_experts, m.top_k),
             grouped=True,
         ) + rates.elementwise_s(tokens_mb, h, float(m.top_k))
-        head_s = rates.scaled_s(_head_flops_per_token(arch, h) * tokens_mb, head_gemms(arch, h, tokens_mb, tp))
 
         def layer_s(moe: bool) -> tuple[float, float]:
             return (moe_dense_s, routed_layer_s) if moe else (dense_layer_s, 0.0)
 
-        # Per stage: per layer (dense_s, routed_mean_s, moe index or -1, -2 for the output head).
+        # Per stage: per item it holds (dense_s, routed_mean_s, moe index or -1, -2 for E and L), the
+        # items where the pipeline layout puts them (placement.pipeline_layout.stage_items).
         dense_s: list[list[float]] = []
         routed_s: list[list[float]] = []
         moe_idx: list[list[int]] = []
-        for s, layers in enumerate(par.stage_layers):
+        # An MTP layer's all-to-all and load: its own MoE layer when the instance has it (index
+        # num_layers + j), else the last decoder MoE layer's as a stand-in.
+        stand_in = (m.num_moe_layers - 1 - len(m.mtp_moe_layers)) if last_moe else -1
+        mtp_projection_s = rates.scaled_s(_mtp_projection_flops_per_token(h) * tokens_mb, [Gemm(tokens_mb, h, 2 * h, 1)])
+        loss_gemms = [Gemm(tokens_mb, arch.vocab_size / tp, h, arch.mtp_num_layers + 1)]
+        loss_s = rates.scaled_s(_loss_flops_per_token(arch, h) * tokens_mb, loss_gemms)
+        for items in stage_items(instance, arch.mtp_num_layers):
             ds, rs, mi = [], [], []
-            for layer in layers:
-                if layer >= m.num_layers:  # an MTP layer held in the stage: priced below
-                    continue
-                d, r = layer_s(layer in moe_pos)
-                ds.append(d)
-                rs.append(r)
-                mi.append(moe_pos.get(layer, -1))
-            if s == par.pp - 1:
-                d, r = layer_s(last_moe)
-                # An MTP layer's all-to-all and load: its own MoE layer when the instance has it
-                # (index num_layers + j), else the last decoder MoE layer's as a stand-in.
-                stand_in = (m.num_moe_layers - 1 - len(m.mtp_moe_layers)) if last_moe else -1
-                for j in range(arch.mtp_num_layers):
+            for kind, j in items:
+                if kind == "t":
+                    d, r = layer_s(j in moe_pos)
+                    ds.append(d)
+                    rs.append(r)
+                    mi.append(moe_pos.get(j, -1))
+                elif kind == "m":  # one MTP layer: a transformer layer plus its norms and projection
                     own = moe_pos.get(m.num_layers + j, -1)
-                    dj, rj = (d, r) if own < 0 else layer_s(True)
+                    dj, rj = layer_s(last_moe) if own < 0 else layer_s(True)
                     mtp_idx = own if own >= 0 else stand_in
-                    ds.append(dj)
+                    ds.append(dj + mtp_projection_s)
                     rs.append(rj if mtp_idx >= 0 else 0.0)
                     mi.append(mtp_idx)
-                # Output layer(s) and MTP projections: compute without an all-to-all.
-                ds.append(head_s)
-                rs.append(0.0)
-                mi.append(-2)
+                elif kind == "L":  # the output layer of the main head and of every MTP head
+                    ds.append(loss_s)
+                    rs.append(0.0)
+                    mi.append(-2)
+                else:  # "E": the embedding lookup has no GEMM (Megatron counts no FLOPs for it)
+                    ds.append(0.0)
+                    rs.append(0.0)
+                    mi.append(-2)
             dense_s.append(ds)
             routed_s.append(rs)
             moe_idx.append(mi)
@@ -576,6 +615,34 @@ class StepTimeModel:
             self._expert_groups, self.expert_params_per_gpu, rank2gpu
         )
 
+    def p2p_time_s(self, rank2gpu: np.ndarray | None) -> np.ndarray:
+        """(pp,) seconds per micro-batch each stage spends sending pipeline activations.
+
+        Every boundary between consecutive (virtual) stages moves :func:`p2p_bytes_per_boundary`
+        forward (sender -> receiver) and its gradient backward, rank to the rank of the same
+        ``(tp, cp, dp)`` coordinates; a pair inside one NVLink domain at the NVLink spec, across
+        domains at the NIC's achieved bandwidth (``nic_efficiency``).  A stage is charged what it
+        sends: the forward activations of its outgoing boundaries and the gradients of its
+        incoming ones, at the slowest pair.  Without ``rank2gpu`` every pair crosses domains.
+        """
+        pp = self.instance.parallel.pp
+        out = np.zeros(pp)
+        if not self._boundaries:
+            return out
+        cross: dict[tuple[int, int], bool] = {}
+        for a, b, nbytes in self._boundaries:
+            pair = (min(a, b), max(a, b))
+            if pair not in cross:
+                if rank2gpu is None:
+                    cross[pair] = True
+                else:
+                    doms = self.instance.cluster.gpu2domain[np.asarray(rank2gpu)[self._stage_ranks[[a, b]]]]
+                    cross[pair] = bool((doms[0] != doms[1]).any())
+            t = nbytes / (self._p2p_nic_bps if cross[pair] else self._p2p_nvl_bps)
+            out[a] += t
+            out[b] += t
+        return out
+
     # -- the score ---------------------------------------------------------------------------
     def transfer_times_s(
         self,
@@ -613,30 +680,19 @@ class StepTimeModel:
         eta, f = self.perf.overlap_efficiency, self._sm_share
         return (1.0 - eta) * a + np.maximum(eta * a, c + f * eta * a)
 
-    def predict(
+    def item_times_s(
         self,
         alltoall_time_s_per_layer: Sequence[float],
         expert_load_max_over_mean_per_layer: Sequence[float],
-        rank2gpu: np.ndarray | None = None,
         *,
         communication: bool = True,
         nic_bytes_per_layer: Sequence[float] | None = None,
         nvlink_bytes_per_layer: Sequence[float] | None = None,
-    ) -> Prediction:
-        """The prediction from the evaluator's per-MoE-layer lists (see the module docstring).
-
-        Parameters
-        ----------
-        alltoall_time_s_per_layer : (num_moe_layers,) ``Metrics.alltoall_time_s_per_layer``.
-        expert_load_max_over_mean_per_layer : (num_moe_layers,) the same Metrics' load ratios.
-        rank2gpu : (world,) the placement's rank -> GPU map, for the data-parallel groups' links;
-            ``None`` prices every group as spread over one domain per member.
-        communication : False gives the compute-bound step (no all-to-all, no DP traffic).
-        nic_bytes_per_layer, nvlink_bytes_per_layer : (num_moe_layers,) the Metrics' busiest NIC
-            and NVLink port bytes per step; with them each transfer is priced on its own link at
-            its achieved bandwidth (:meth:`transfer_times_s`).
-        """
-        perf, m = self.perf, self.micro_batches
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per item the stages hold (:func:`stage_items` order, stage by stage), per micro-batch:
+        ``(tau, sigma, compute, transfers)``: seconds in a paired slot, in an unpaired one, the
+        compute alone, and (items, 4) the all-to-all transfers (arguments as :meth:`predict`)."""
+        perf = self.perf
         n_moe = len(expert_load_max_over_mean_per_layer)
         if communication:
             tt = self.transfer_times_s(alltoall_time_s_per_layer, nic_bytes_per_layer, nvlink_bytes_per_layer)
@@ -649,7 +705,6 @@ class StepTimeModel:
         load = per_microbatch_load(window, self._pairs_per_gpu, self._ep)
         if perf.capacity_factor > 0:  # tokens over the per-rank capacity are dropped
             load = np.minimum(load, perf.capacity_factor)
-        pp = len(self._dense)
         # Every layer of every stage at once (self._stage_of), summed per stage with bincount.
         idx = self._all_idx
         is_moe = idx >= 0
@@ -674,12 +729,52 @@ class StepTimeModel:
             per_layer_tau = np.where(is_moe, paired, c)
         else:
             per_layer_tau = serial
+        return per_layer_tau, serial, c, t
+
+    def predict(
+        self,
+        alltoall_time_s_per_layer: Sequence[float],
+        expert_load_max_over_mean_per_layer: Sequence[float],
+        rank2gpu: np.ndarray | None = None,
+        *,
+        communication: bool = True,
+        nic_bytes_per_layer: Sequence[float] | None = None,
+        nvlink_bytes_per_layer: Sequence[float] | None = None,
+    ) -> Prediction:
+        """The prediction from the evaluator's per-MoE-layer lists (see the module docstring).
+
+        Parameters
+        ----------
+        alltoall_time_s_per_layer : (num_moe_layers,) ``Metrics.alltoall_time_s_per_layer``.
+        expert_load_max_over_mean_per_layer : (num_moe_layers,) the same Metrics' load ratios.
+        rank2gpu : (world,) the placement's rank -> GPU map, for the data-parallel groups' links;
+            ``None`` prices every group as spread over one domain per member.
+        communication : False gives the compute-bound step (no all-to-all, no DP traffic).
+        nic_bytes_per_layer, nvlink_bytes_per_layer : (num_moe_layers,) the Metrics' busiest NIC
+            and NVLink port bytes per step; with them each transfer is priced on its own link at
+            its achieved bandwidth (:meth:`transfer_times_s`).
+        """
+        perf, m = self.perf, self.micro_batches
+        per_layer_tau, serial, c, t = self.item_times_s(
+            alltoall_time_s_per_layer, expert_load_max_over_mean_per_layer, communication=communication,
+            nic_bytes_per_layer=nic_bytes_per_layer, nvlink_bytes_per_layer=nvlink_bytes_per_layer,
+        )
+        pp = len(self._dense)
 
         def per_stage(x: np.ndarray) -> np.ndarray:
             return np.bincount(self._stage_of, weights=x, minlength=pp)
 
         tau = per_stage(per_layer_tau)
         sigma = per_stage(serial)
+        tau_a2a, sigma_a2a = tau, sigma
+        if communication:
+            # Pipeline sends: exposed in the unpaired slots, hidden with the overlap efficiency in
+            # the paired ones (Megatron-Core issues them asynchronously beside the next compute).
+            p2p = self.p2p_time_s(rank2gpu)
+            sigma = sigma + p2p
+            tau = tau + (1.0 - perf.overlap_efficiency) * p2p if perf.overlap == "1f1b" else tau + p2p
+        else:
+            p2p = np.zeros(pp)
         comp = per_stage(c)
         fwd_free = np.maximum(0.0, per_stage(c / 3.0 - t[:, 0] - t[:, 1]))
         bwd_free = np.maximum(0.0, per_stage(2.0 * c / 3.0 - t[:, 2] - t[:, 3]))
@@ -696,7 +791,7 @@ class StepTimeModel:
         step = float(pipeline + exposed_dp.max())
         s_tau = int(np.argmax(tau))
         s_sigma = int(np.argmax(sigma))
-        exposed_a2a = (m - 1) * (tau[s_tau] - comp[s_tau]) + (1.0 + bubble_units) * (sigma[s_sigma] - comp[s_sigma])
+        exposed_a2a = (m - 1) * (tau_a2a[s_tau] - comp[s_tau]) + (1.0 + bubble_units) * (sigma_a2a[s_sigma] - comp[s_sigma])
         compute_bound = float((m + bubble_units) * comp.max())
         return Prediction(
             step_time_s=step,
@@ -707,6 +802,7 @@ class StepTimeModel:
             exposed_dp_s_per_step=float(exposed_dp.max()),
             compute_bound_step_time_s=compute_bound,
             stage_time_s_per_microbatch=[float(x) for x in tau],
+            p2p_s_per_microbatch=[float(x) for x in p2p],
         )
 
     def predict_metrics(self, metrics: Metrics, rank2gpu: np.ndarray | None = None) -> Prediction:

@@ -38,7 +38,8 @@ from placement.checker import (
 )
 from placement.cost import report
 from placement.formats import read_instance, read_placement
-from placement.model import Instance, Placement
+from placement.model import Instance, InvalidInputError, Placement
+from placement.pipeline_layout import parse_layout, with_layout
 
 __all__ = ["METRIC_REL_TOL", "CONSUMER_VALUES", "VerifyReport", "verify_document", "verify_files", "metric_misstatements"]
 
@@ -105,6 +106,13 @@ def verify_document(instance: Instance, placement: Placement, doc: dict) -> Veri
         checks.append("groups")
         violations += [f"group_preserving: {v}" for v in violates_group_preservation(instance, placement)]
 
+    if "pipeline_model_parallel_layout" in doc and not structural:
+        checks.append("pipeline_layout")  # the layout the placement was scored with (placement.pipeline_layout)
+        try:
+            instance = with_layout(instance, parse_layout(doc["pipeline_model_parallel_layout"]))
+        except InvalidInputError as exc:
+            violations.append(str(exc))
+            structural = structural + [str(exc)]
     if "replicas" in doc and not structural:
         checks.append("replicas")
         violations += _replica_violations(instance, placement, doc)

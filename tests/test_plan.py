@@ -18,6 +18,7 @@ from placement.executor import LocalExecutor, make_executor
 from placement.formats import dumps
 from placement.model import InfeasibleError, InvalidInputError
 from placement.performance import Architecture, StepTimeModel
+from placement.pipeline_layout import parse_layout
 from placement.plan.bounds import compute_bound_step_s, load_lower_bound, tokens_per_s_bound
 from placement.plan.candidates import CandidateSpace, enumerate_candidates, parse_candidates, stage_split
 from placement.plan.evaluate import regroup, segment_rank2gpu
@@ -85,7 +86,8 @@ def test_memory_by_hand_on_a_tiny_model(files):
     p0_dense = attn + dense_mlp + moe_dense + V * h
     p0_expert = 2 * expert
     # stage 1: layers 2, 3 MoE, output layer, one MTP layer (MoE: the last layer is MoE) + its projection 2h^2
-    p1_dense = 2 * moe_dense + V * h + (moe_dense + 2 * h * h)
+    # (+ V * h: Megatron-Core builds an embedding on the MTP stage, gpt_model.py "pre_process or mtp_process")
+    p1_dense = 2 * moe_dense + V * h + (moe_dense + 2 * h * h) + V * h
     p1_expert = 2 * 2 * expert + 2 * expert
     assert sm.dense_params_per_gpu[0] == p0_dense and sm.expert_params_per_gpu[0] == p0_expert
     assert sm.dense_params_per_gpu[1] == p1_dense and sm.expert_params_per_gpu[1] == p1_expert
@@ -197,10 +199,19 @@ def test_dsv3_pp16_split_is_the_committed_instances():
     job = read_job(INSTANCES / "dsv3_job.json")
     doc = json.loads((INSTANCES / "dsv3_1024.json").read_text())
     # The committed instance overlaps the all-to-all, so it runs a virtual pipeline (Megatron-Core
-    # needs vpp > 1 with pp > 1): the plan's split for that vpp is the instance's.
+    # needs vpp > 1 with pp > 1).  Its layout is Megatron-Bridge's DeepSeek-V3 PP16 recipe
+    # ([E+4] | [4]x14 | [1+mtp+loss] per rank, docs/pipeline_layout.md), not the plan's FLOPs-only
+    # split, which still gives every stage layer slots that vpp divides.
     vpp = doc["performance"]["vpp"]
     assert vpp == 2
-    assert [list(s) for s in stage_split(job, 16, vpp)] == doc["parallel"]["stage_layers"]
+    chunks = parse_layout(doc["parallel"]["pipeline_model_parallel_layout"])
+    assert ["".join(chunks[r::16]) for r in range(16)] == ["Etttt"] + ["tttt"] * 14 + ["tmL"]
+    split = stage_split(job, 16, vpp)
+    assert sorted(x for s in split for x in s) == list(range(61))
+    slots = [len(s) for s in split]
+    slots[0] += 1
+    slots[-1] += 2
+    assert all(n % vpp == 0 for n in slots)
 
 
 def test_enumeration_against_brute_force(files):
