@@ -319,15 +319,19 @@ def evaluate(
 
     remote_pairs_per_token = remote_pair.sum(axis=-1)  # (L, dp, T)
     # Distinct domains are counted, so the order of a token's experts does not matter.
-    remote_doms_per_token = (_first_occurrence(tgt_dom) & remote_pair).sum(axis=-1)
+    remote_dom_mask = _first_occurrence(tgt_dom) & remote_pair
+    remote_doms_per_token = remote_dom_mask.sum(axis=-1)
 
     if mode == "per_domain":
         # HybridEP / DeepEP normal (placement.dispatch): one RDMA copy per remote *node* of the
         # token's EP group, landing on the rank of that node with the sender's local index
         # (deepseek-ai/DeepEP hybrid-ep @94a9f8f, docs/Hybrid-EP_Implementation.md: "GPUs with the
         # same local rank across different nodes" are peers), then NVLink fan-out inside the node.
-        tgt_node = expert_node.reshape(-1)[flat]  # (L, dp, T, k)
-        remote_node_mask = _first_occurrence(tgt_node) & (tgt_node != src_node[..., None])
+        if rule == "domain" or layout.small_node_groups(rule) == 0:
+            remote_node_mask = remote_dom_mask  # every node is a group's part of a domain
+        else:
+            tgt_node = expert_node.reshape(-1)[flat]  # (L, dp, T, k)
+            remote_node_mask = _first_occurrence(tgt_node) & (tgt_node != src_node[..., None])
         crossings_per_token = remote_node_mask.sum(axis=-1)
         if rule == "domain":
             # No dispatcher's landing rule: an even share over the group's GPUs in each remote domain
@@ -344,14 +348,23 @@ def evaluate(
                     np.add.at(recv[li], layout.group_gpu[s, g], into[li, g, doms] / counts[s, g, doms])
             nv_mask = _first_occurrence(tgt_gpu) & (tgt_gpu != src_gpu[..., None])
         else:
-            n = node_n[stage3, src_group][..., None]  # (L, dp, T, 1) ranks per node of the group
-            tgt_ep = e2r.reshape(-1)[(np.arange(num_layers)[:, None, None, None] * num_experts) + topk]
-            landing_ep = (tgt_ep // n) * n + (src_ep[..., None] % n)  # the sender itself inside its node
-            landing_gpu = layout.group_gpu[stage3[..., None], src_group[..., None], landing_ep].astype(gpu_t)
-            count(recv, (layer_base[..., None] + landing_gpu)[remote_node_mask])
+            # The copy into a node lands on its EP rank ``node * n + src_local`` (the sender itself
+            # inside its own node); gathered per (layer, group, expert), then per (token, expert).
+            n_le = node_n[stage3, np.arange(ngroups)[None, :, None]]  # (L, G, 1) ranks per node
+            expert_local = e2r[:, None, :] % n_le  # (L, G, E) the expert's rank's local index
+            src_local = (src_ep % node_n[stage3, src_group]).astype(gpu_t)  # (L, dp, T)
+            ep = layout.groups.shape[2]
+            # (L, G, E) flat index of the expert's node's first rank in a (L, G, ep) table
+            node_first = ((np.arange(num_layers)[:, None, None] * ngroups + np.arange(ngroups)[None, :, None]) * ep
+                          + e2r[:, None, :] - expert_local).astype(np.int64)
+            sel = remote_node_mask
+            landing = node_first.reshape(-1)[flat[sel]] + np.broadcast_to(src_local[..., None], sel.shape)[sel]
+            landing_key = (layer_base + layout.group_gpu[layer_stage]).reshape(-1)  # (L * G * ep,) flat keys
+            count(recv, landing_key[landing])
             # NVLink: distinct target GPUs other than the GPU the copy reached first (the sender, or
-            # the RDMA landing GPU of a remote node).
-            nv_mask = _first_occurrence(tgt_gpu) & (tgt_gpu != landing_gpu)
+            # the RDMA landing GPU of a remote node): a target whose local index is not the sender's.
+            tgt_local = expert_local.astype(gpu_t).reshape(-1)[flat]
+            nv_mask = _first_occurrence(tgt_gpu) & (tgt_local != src_local[..., None])
         count(nvl, tgt_key[nv_mask])
         remote_nodes_per_token = crossings_per_token
     else:
