@@ -321,7 +321,19 @@ class LayoutPlanner:
         return self._equal_fit
 
     def add_first_fit(self, unit: int, reserve_s: float) -> Footprints | None:
-        """The first-fit layout in parts of ``unit`` GPUs: a hint, and a candidate when affordable."""
+        """The first-fit layout in parts of ``unit`` GPUs: a hint, and a candidate when affordable.
+        Without a consumer rule on a HybridEP/DeepEP instance, first the layout whose MoE stages all
+        hold equal slices (:func:`solvers.layout.rules.equal_slice_footprints` with ``moe_only``):
+        the estimator counts whole domains, so it cannot see the small nodes an unequal split runs."""
+        if not self.equal_only and node_rule(self.instance) in ("hybridep", "deepep") \
+                and not any(c.name == "equal_fit" for c in self.cands):
+            # the last stage also holds the loss (and MTP): kept in as few parts as possible
+            feet = equal_slice_footprints(self.instance, moe_only=True,
+                                          avoid_block=self.blocks[-1].index if self.blocks else None)
+            if feet is not None and all(sum(f.values()) == b.size for f, b in zip(feet, self.blocks)):
+                predicted = sum(self.scorer.predict_s(blk, len(f)) for blk, f in zip(self.blocks, feet))
+                if self.budget.affords(predicted + reserve_s):
+                    self.add_footprints("equal_fit", feet)
         first = first_fit(self.blocks, self.free, unit) if not self.equal_only else self.equal_fit()
         if first is not None and not any(c.name == "first_fit" for c in self.cands):
             predicted = sum(self.scorer.predict_s(blk, len(f)) for blk, f in zip(self.blocks, first))

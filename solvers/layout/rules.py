@@ -88,16 +88,21 @@ def equal_slices_possible(instance: Instance) -> bool:
     return equal_slice_footprints(instance) is not None
 
 
-def equal_slice_footprints(instance: Instance) -> list[dict[int, int]] | None:
+def equal_slice_footprints(instance: Instance, *, moe_only: bool = False,
+                           avoid_block: int | None = None) -> list[dict[int, int]] | None:
     """Per block, GPUs per domain of a layout with equal consecutive slices, or None when none exists.
 
     Each block of ``n`` ranks takes ``m`` distinct domains with ``n / m`` GPUs each (``n / m`` a
-    multiple of its TP x CP group size), within every domain's free GPUs; fewest parts first.  A
+    multiple of its TP x CP group size), within every domain's free GPUs; fewest parts first
+    (weighted by the block's MoE layers).  A
     small CP-SAT model, solved with one worker and a deterministic-time limit
     (:data:`EQUAL_SLICES_DET_LIMIT`), so the answer never depends on the clock (an undecided model
     counts as impossible).  The layout search under an equal-slice consumer starts from it; the
     solve that follows the instance's dispatcher asks it beforehand whether the rule can hold
-    (placement.api.solve).
+    (placement.api.solve).  ``moe_only``: blocks without MoE layers (no all-to-all) take any GPUs,
+    split as needed (a free layout's candidate whose MoE stages all run whole HybridEP nodes).
+    ``avoid_block``: a block (index) kept in as few parts as possible first (the last stage, which
+    also holds the loss and MTP, when it sets the step).
     """
     from ortools.sat.python import cp_model
 
@@ -112,6 +117,13 @@ def equal_slice_footprints(instance: Instance) -> list[dict[int, int]] | None:
     parts = []
     for b in blocks:
         a = b.atoms.shape[1]
+        if moe_only and len(b.moe_layers) == 0:  # whole atoms anywhere
+            take = [model.new_int_var(0, int(free[d]) // a, f"b{b.index}d{d}") for d in range(num_domains)]
+            model.add(sum(take) == b.size // a)
+            for d, x in enumerate(take):
+                use[d].append(a * x)
+            choice.append([(a, take)])
+            continue
         slices = [b.size // m for m in range(1, num_domains + 1) if b.size % m == 0 and (b.size // m) % a == 0]
         if not slices:
             return None
@@ -124,7 +136,9 @@ def equal_slice_footprints(instance: Instance) -> list[dict[int, int]] | None:
             for d, x in enumerate(xs):
                 use[d].append(v * x)
             rows.append((v, xs))
-            parts.append((b.size // v) * pick[v])
+            # parts, weighted by the block's MoE layers (and heavily on ``avoid_block``)
+            weight = max(1, len(b.moe_layers)) * (100 if b.index == avoid_block else 1)
+            parts.append(weight * (b.size // v) * pick[v])
         choice.append(rows)
     for d in range(num_domains):
         model.add(sum(use[d]) <= int(free[d]))
@@ -135,4 +149,5 @@ def equal_slice_footprints(instance: Instance) -> list[dict[int, int]] | None:
     solver.parameters.max_deterministic_time = EQUAL_SLICES_DET_LIMIT
     if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    return [{d: v for v, xs in rows for d, x in enumerate(xs) if solver.value(x)} for rows in choice]
+    return [{d: v * int(solver.value(x)) for v, xs in rows for d, x in enumerate(xs) if solver.value(x)}
+            for rows in choice]
