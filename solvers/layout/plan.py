@@ -189,6 +189,8 @@ class LayoutPlanner:
         self.infeasible_units = 0
         self._equal_fit: Footprints | None = None
         self._equal_fit_done = False
+        self._moe_fit: Footprints | None = None
+        self._moe_fit_done = False
         self.default_ok = self.rule_ok(self.default_r2g)
         self.details: dict = {
             "method": METHOD,
@@ -322,23 +324,27 @@ class LayoutPlanner:
 
     def add_first_fit(self, unit: int, reserve_s: float) -> Footprints | None:
         """The first-fit layout in parts of ``unit`` GPUs: a hint, and a candidate when affordable.
-        Without a consumer rule on a HybridEP/DeepEP instance, first the layout whose MoE stages all
-        hold equal slices (:func:`solvers.layout.rules.equal_slice_footprints` with ``moe_only``):
-        the estimator counts whole domains, so it cannot see the small nodes an unequal split runs."""
-        if not self.equal_only and node_rule(self.instance) in ("hybridep", "deepep") \
-                and not any(c.name == "equal_fit" for c in self.cands):
-            # the last stage also holds the loss (and MTP): kept in as few parts as possible
-            feet = equal_slice_footprints(self.instance, moe_only=True,
-                                          avoid_block=self.blocks[-1].index if self.blocks else None)
-            if feet is not None and all(sum(f.values()) == b.size for f, b in zip(feet, self.blocks)):
-                predicted = sum(self.scorer.predict_s(blk, len(f)) for blk, f in zip(self.blocks, feet))
-                if self.budget.affords(predicted + reserve_s):
-                    self.add_footprints("equal_fit", feet)
-        first = first_fit(self.blocks, self.free, unit) if not self.equal_only else self.equal_fit()
-        if first is not None and not any(c.name == "first_fit" for c in self.cands):
+
+        Without a consumer rule on a HybridEP/DeepEP instance it is the layout whose MoE stages all
+        hold equal slices (``equal_fit``: :func:`solvers.layout.rules.equal_slice_footprints` with
+        ``moe_only``, the last stage, which also holds the loss, kept in as few parts as possible)
+        when one exists: the estimator counts whole domains, so it cannot see the small nodes an
+        unequal split runs."""
+        name, first = "first_fit", None
+        if not self.equal_only and node_rule(self.instance) in ("hybridep", "deepep"):
+            if not self._moe_fit_done:
+                feet = equal_slice_footprints(self.instance, moe_only=True,
+                                              avoid_block=self.blocks[-1].index if self.blocks else None)
+                ok = feet is not None and all(sum(f.values()) == b.size for f, b in zip(feet, self.blocks))
+                self._moe_fit, self._moe_fit_done = (feet if ok else None), True
+            if self._moe_fit is not None:
+                name, first = "equal_fit", self._moe_fit
+        if first is None:
+            first = first_fit(self.blocks, self.free, unit) if not self.equal_only else self.equal_fit()
+        if first is not None and not any(c.name == name for c in self.cands):
             predicted = sum(self.scorer.predict_s(blk, len(f)) for blk, f in zip(self.blocks, first))
             if self.budget.affords(predicted + reserve_s):
-                self.add_footprints("first_fit", first)
+                self.add_footprints(name, first)
         return first
 
     def search_footprints(self, hints: list[Footprints]) -> list[Footprints] | None:
