@@ -98,9 +98,9 @@ _BLACKWELL = {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0}
 _HGX_BLACKWELL = {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0}
 _HOPPER = {"bf16": 989.0, "fp8": 1979.0, "mxfp8": 1979.0, "nvfp4": 1979.0}
 GPU_KINDS: dict[str, GpuKind] = {
-    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132, 0.1985),
-    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132, 0.1985),  # H100's (no fitted H800 row)
-    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148, 0.2538),
+    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132, 0.1976),
+    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132, 0.1976),  # H100's (no fitted H800 row)
+    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148, 0.2562),
     "b300": GpuKind("b300", {**_HGX_BLACKWELL, "nvfp4": 13500.0}, 8, 900.0, 100.0, 160, 0.3147),
     "gb200": GpuKind("gb200", {**_BLACKWELL, "nvfp4": 10000.0}, 72, 900.0, 50.0, 148, 0.2586),
     "gb300": GpuKind("gb300", {**_BLACKWELL, "nvfp4": 15000.0}, 72, 900.0, 100.0, 160, 0.3349),
