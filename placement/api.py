@@ -47,7 +47,8 @@ from placement.checker import check, check_or_raise
 from placement.cost import Window, evaluate, report
 from placement.formats import placement_document, read_instance, read_placement, write_placement
 from placement.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
-from placement.model import Apply, Cluster, Instance, InvalidInputError, Placement, PlacementError, SolverError
+from placement.model import (Apply, Cluster, InfeasibleError, Instance, InvalidInputError, Placement, PlacementError,
+                             SolverError)
 from placement.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
@@ -290,7 +291,7 @@ def solve(
     wall_limit_s: float | None = None,
     seed: int = 0,
     num_workers: int | None = None,
-    consumer: Consumer = "none",
+    consumer: Consumer | None = None,
     group_preserving: bool | None = None,
     apply: Apply | None = None,
     objective: Objective = "step_time",
@@ -328,7 +329,9 @@ def solve(
         placement when the solver finishes before its deadline.
     num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
         this process (CPU affinity, capped by a cgroup CPU quota).
-    consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher.
+    consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher;
+        ``None`` (the default) follows the instance's ``performance.dispatcher``
+        (:func:`solvers.base.default_consumer`: ``hybridep``/``deepep`` -> that rule, else ``none``).
     apply : how the expert maps reach the job: ``runtime`` (a dispatch-time map:
         :mod:`placement.runtime` hooks for Megatron-Core and TorchTitan with a keep-router checkpoint
         permutation, SGLang's and vLLM's expert maps; any map is valid) or ``checkpoint`` (router and
@@ -399,6 +402,27 @@ def solve(
     from solvers.base import default_workers
 
     start = time.monotonic() if started_at is None else started_at
+    from solvers.base import default_consumer
+
+    consumer_defaulted = consumer is None
+    consumer = default_consumer(instance) if consumer is None else consumer
+    consumer_fallback: str | None = None
+    if consumer_defaulted and consumer == "hybridep":
+        from solvers.layout.rules import equal_slices_possible
+
+        if layout == "fixed" or previous is not None:
+            consumer_fallback = ("performance.dispatcher hybridep: the rank layout is kept, so HybridEP runs each EP "
+                                 "group with the nodes it forms")
+            consumer = "none"
+        elif not equal_slices_possible(instance):
+            # Laid out freely instead of refused (docs/design.md, "The dispatcher's node rule"): HybridEP
+            # runs an unequal EP group with nodes of the gcd of its runs, which the evaluator prices and
+            # ``export --format hybridep`` writes per rank.  Decided before the solve, on the instance
+            # alone, so the solve's work budget is not split.
+            consumer_fallback = ("performance.dispatcher hybridep: no layout of the free GPUs gives every EP group "
+                                 "equal consecutive slices per NVLink domain, so the layout is free and HybridEP runs "
+                                 "unequal groups with smaller nodes")
+            consumer = "none"
     _check_arguments(
         solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s,
         apply,
@@ -455,6 +479,13 @@ def solve(
     )
     try:
         result = fn(instance.for_solver(), options)
+    except InfeasibleError as exc:
+        if consumer_defaulted and consumer != "none":
+            # Refused, not laid out freely: see docs/design.md ("The dispatcher's node rule").
+            raise InfeasibleError(f"{exc} (consumer {consumer} follows performance.dispatcher; pass consumer "
+                                  "none to lay the job out freely: HybridEP then runs unequal EP groups with "
+                                  "smaller nodes, priced and exported as such)") from exc
+        raise
     except PlacementError:
         raise
     except Exception as exc:  # noqa: BLE001 - a solver bug must still reach the caller as a PlacementError
@@ -472,6 +503,8 @@ def solve(
         result = dataclasses.replace(result, placement=dataclasses.replace(result.placement, pipeline_layout=choice.chunks))
     metrics = report(instance, result.placement)
     params = {**result.params, "seed": seed, "time_limit_s": time_limit_s}
+    if consumer_fallback is not None:
+        params["consumer_fallback"] = consumer_fallback
     if instance.routing.num_windows > 1:  # the fit matters only with several sampled windows
         params["fit"] = fit
     if stop_event is not None and stop_event.is_set():

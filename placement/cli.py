@@ -709,7 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--time-limit", type=float, default=100.0, metavar="S", help="wall-clock limit of the whole command (default 100)")
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--workers", type=int, default=None, help="solver workers (default: the cores available)")
-    so.add_argument("--consumer", default="none", choices=CONSUMERS, help="layout rule of the dispatcher")
+    so.add_argument("--consumer", default=None, choices=CONSUMERS,
+                    help="layout rule of the dispatcher (default: the instance's performance.dispatcher, "
+                         "hybridep/deepep -> its equal-slice rule, else none)")
     so.add_argument("--apply", default=None, choices=("runtime", "checkpoint"),
                     help="how the expert maps reach the job. runtime (the default, unless the instance's apply "
                          "says otherwise): mapped at dispatch time (placement.runtime hooks for Megatron-Core and "

@@ -10,22 +10,29 @@ A sampled token of data-parallel index ``j`` in MoE layer ``l`` (pipeline stage 
 one of the ``tp*cp`` ranks of replica ``j`` in stage ``s`` (sampled tokens are dealt to them in
 turn: ``t % (tp*cp)``), and goes to the GPUs of its EP group that host its top-k experts.
 
-- ``per_domain`` (DeepEP normal kernels, HybridEP; the training default): the token crosses the
-  scale-out fabric once per NVLink domain in ``D(t) \\ {s}`` and is fanned out over NVLink there.
-- ``per_pair`` (Megatron ``alltoall`` dispatcher, DeepEP low-latency): once per expert of the token
-  hosted outside the source domain.
+- ``per_domain`` (HybridEP, DeepEP normal kernels; the training default): the dispatcher numbers
+  an EP group as nodes of ``n`` consecutive EP ranks (:mod:`placement.dispatch`: HybridEP ``n`` =
+  the gcd of the group's runs per NVLink domain, DeepEP at most 8).  The token crosses the scale-out
+  fabric once per node ``!=`` its sender's node that hosts one of its experts, even when both nodes
+  sit in one domain; the RDMA copy lands on the rank of that node with the sender's local index
+  (exact receiver) and is fanned out over NVLink inside the node; the combine is reduced inside the
+  node before RDMA, so it moves the same number of copies back.  With equal consecutive slices per
+  domain a node is the group's slice of a domain, and the count is the distinct remote domains.
+- ``per_pair`` (Megatron ``alltoall`` dispatcher over NCCL, DeepEP low-latency): once per expert of
+  the token hosted outside the source domain, received by the expert's GPU.
 
 One crossing costs ``MoEModel.roundtrip_bytes_per_copy`` fabric bytes per step (the four transfers:
 forward dispatch and combine, and the gradient of each in the backward pass, each with its own bytes
-per copy), and puts ``MoEModel.nic_bytes_per_copy`` bytes on each end's NIC (its busier
-direction).  The source GPU's NIC is
-exact.  The receiving NIC is exact in ``per_pair`` (the expert's GPU); in ``per_domain`` the
-landing GPU is the RDMA peer chosen by the kernel, modelled as an even share over the EP group's
-GPUs in the remote domain (what DeepEP's same-local-index peer gives when the group holds equal
-consecutive slices per domain).
+per copy).  Each NIC is priced per direction: per layer and GPU the copies it sends (as a source)
+and receives (as a landing GPU) are counted apart; in every transfer one direction carries one of
+the two counts (dispatch and combine swap them), so the NIC's busier direction carries
+``max(sent, received)`` copies per transfer, ``max(sent, received) x roundtrip_bytes_per_copy`` over
+the step.  HybridEP's RDMA goes between same-index ranks of two nodes (one rail of a
+rail-optimised fabric), so no PXN or spine hop is priced.
 
 NVLink (intra-domain) traffic: in ``per_domain`` every distinct (token, GPU) target other than the
-source GPU receives one copy over NVLink (remote ones after landing); in ``per_pair`` every
+GPU the copy reached first (the source, or the landing GPU of a remote node) receives one copy over
+NVLink (``MoEModel.nic_bytes_per_copy`` per copy); in ``per_pair`` every
 (token, expert) pair hosted on another GPU of the source domain.
 
 A sampled token stands for ``global_batch * seq_len / dp / tokens_per_source`` real tokens of its
@@ -44,6 +51,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from placement.imbalance import lasting_max_over_mean_per_layer
+from placement.dispatch import NodeRule, node_labels, node_rule
 from placement.model import CostMode, Instance, InvalidInputError, Placement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,7 +88,9 @@ class Metrics:
     window: str
     cross_domain_bytes_per_step: float
     intra_domain_bytes_per_step: float
-    max_gpu_cross_domain_bytes_per_step: float  # busiest NIC, one direction, summed over layers
+    # busiest NIC over the step: per layer and transfer its busier direction (max of copies sent and
+    # received), summed over the four transfers and the layers
+    max_gpu_cross_domain_bytes_per_step: float
     expert_load_max_over_mean: float  # worst MoE layer: max over GPUs / mean, within EP groups
     remote_domains_per_token: float  # mean over sampled tokens and layers
     remote_experts_per_token: float
@@ -101,6 +111,14 @@ class Metrics:
     # (placement.imbalance); what the step-time model prices.  Empty in Metrics built before it.
     expert_load_lasting_max_over_mean_per_layer: list[float] = field(default_factory=list)
     expert_load_lasting_max_over_mean: float = 0.0  # worst MoE layer of the list above (0: absent)
+    # (num_moe_layers,) the busiest sender's and the busiest receiver's NIC copies, each times the
+    # four transfers' bytes (max_gpu_cross_domain_bytes_per_layer is the busier direction of one GPU)
+    max_gpu_nic_sent_bytes_per_layer: list[float] = field(default_factory=list)
+    max_gpu_nic_received_bytes_per_layer: list[float] = field(default_factory=list)
+    # mean over sampled tokens and layers of the remote nodes (per_domain) or domains (per_pair) reached
+    remote_nodes_per_token: float = 0.0
+    # EP groups (all stages) the dispatcher runs with nodes smaller than their slice of a domain
+    small_node_ep_groups: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,6 +156,29 @@ class LayoutIndex:
         # (pp, G, ep) GPU and domain of each EP rank of each group
         self.group_gpu = self.rank2gpu[groups]
         self.group_domain = gpu2domain[self.group_gpu]
+        self._nodes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def nodes(self, rule: NodeRule | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(group_node (pp, G, ep), node_size (pp, G))``: the dispatcher's node label of every EP
+        rank and each EP group's ranks per node (:func:`placement.dispatch.node_labels`), under
+        ``rule`` (default: the instance's, :func:`placement.dispatch.node_rule`).  A group with equal
+        consecutive slices per domain keeps its domain ids as labels."""
+        rule = rule or node_rule(self.instance)
+        got = self._nodes.get(rule)
+        if got is None:
+            got = node_labels(self.group_domain, rule)
+            self._nodes[rule] = got
+        return got
+
+    @property
+    def group_node(self) -> np.ndarray:
+        """(pp, G, ep) node label of each EP rank under the instance's rule (see :meth:`nodes`)."""
+        return self.nodes()[0]
+
+    def small_node_groups(self, rule: NodeRule | None = None) -> int:
+        """EP groups (over all stages) whose node is smaller than their part of some domain."""
+        labels, _ = self.nodes(rule)
+        return int((labels != self.group_domain).any(axis=2).sum())
 
     @cached_property
     def group_domain_counts(self) -> np.ndarray:
@@ -213,6 +254,7 @@ def evaluate(
     window: Window = "sampled",
     cost_mode: CostMode | None = None,
     layout: LayoutIndex | None = None,
+    rule: NodeRule | None = None,
 ) -> Metrics:
     """Score ``placement`` on one window of ``instance``'s tokens.
 
@@ -223,12 +265,15 @@ def evaluate(
     window : ``"sampled"`` (the tokens solvers see) or ``"heldout"`` (scoring only).
     cost_mode : override the instance's dispatcher cost mode.
     layout : a precomputed :class:`LayoutIndex` for ``placement.rank2gpu`` (saves time in loops).
+    rule : override the dispatcher's node rule (:func:`placement.dispatch.node_rule`); ``domain``
+        prices a node as a group's whole part of a domain, what the rank layout's estimator counts.
 
     Returns
     -------
     Metrics per optimizer step.
     """
     mode: CostMode = cost_mode or instance.cost_mode
+    rule = rule or node_rule(instance, mode)
     model, par, cl = instance.model, instance.parallel, instance.cluster
     topk = _window_topk(instance, window)  # (L, dp, T, k)
     num_layers, dp, tokens, k = topk.shape
@@ -239,31 +284,37 @@ def evaluate(
     fabric_copy = model.roundtrip_bytes_per_copy
     gpu2domain = cl.gpu2domain
     ngpu = cl.num_gpus
-    nd = cl.num_domains
     layer_stage = instance.moe_layer2stage  # (L,)
     e2r = placement.expert2eprank(instance.experts_per_rank)  # (L, E)
+    group_node, node_n = layout.nodes(rule)  # (pp, G, ep) node labels, (pp, G) ranks per node
 
     src_rank = layout.src_rank[layer_stage]  # (L, dp, T)
     src_gpu = layout.rank2gpu[src_rank]
     src_dom = gpu2domain[src_gpu]
     src_group = layout.rank2group[src_rank]  # (L, dp, T)
-    # GPU of every (layer, EP group, expert), then one flat gather for every (token, expert).
+    src_ep = layout.rank2eprank[src_rank]  # (L, dp, T) EP rank of the sender in its group
+    stage3 = layer_stage[:, None, None]
+    src_node = group_node[stage3, src_group, src_ep]
+    # GPU, node and EP rank of every (layer, EP group, expert), then flat gathers for every (token, expert).
     num_experts = e2r.shape[1]
     ngroups = layout.groups.shape[1]
     # The (token, expert) arrays hold GPU and domain ids in the smallest integer type that fits.
     gpu_t = np.int16 if ngpu < 2**15 else np.int32
-    expert_gpu = layout.group_gpu[layer_stage[:, None, None], np.arange(ngroups)[None, :, None], e2r[:, None, :]]
+    expert_gpu = layout.group_gpu[stage3, np.arange(ngroups)[None, :, None], e2r[:, None, :]]
+    expert_node = group_node[stage3, np.arange(ngroups)[None, :, None], e2r[:, None, :]]
     row = (np.arange(num_layers)[:, None, None] * ngroups + src_group) * num_experts  # (L, dp, T)
-    tgt_gpu = expert_gpu.astype(gpu_t).reshape(-1)[row[..., None] + topk]  # (L, dp, T, k)
+    flat = row[..., None] + topk  # (L, dp, T, k)
+    tgt_gpu = expert_gpu.astype(gpu_t).reshape(-1)[flat]  # (L, dp, T, k)
     tgt_dom = gpu2domain.astype(gpu_t)[tgt_gpu]
     remote_pair = tgt_dom != src_dom[..., None]
 
-    # Per-layer, per-GPU counters of copies (NIC one direction) and NVLink receptions, indexed by
-    # flat (layer, GPU) keys; every (token, expert) gets its key once.
-    nic = np.zeros((num_layers, ngpu), dtype=np.float64)
+    # Per-layer, per-GPU counters of copies sent and received over the NIC and of NVLink receptions,
+    # indexed by flat (layer, GPU) keys; every (token, expert) gets its key once.
+    sent = np.zeros((num_layers, ngpu), dtype=np.float64)
+    recv = np.zeros((num_layers, ngpu), dtype=np.float64)
     nvl = np.zeros((num_layers, ngpu), dtype=np.float64)
     cells = num_layers * ngpu
-    key_t = np.int32 if num_layers * max(ngpu, ngroups * nd) < 2**31 else np.int64
+    key_t = np.int32 if num_layers * ngpu < 2**31 else np.int64
     layer_base = np.arange(num_layers, dtype=key_t)[:, None, None] * ngpu  # (L, 1, 1)
     tgt_key = layer_base[..., None] + tgt_gpu  # (L, dp, T, k)
 
@@ -273,40 +324,71 @@ def evaluate(
 
     remote_pairs_per_token = remote_pair.sum(axis=-1)  # (L, dp, T)
     # Distinct domains are counted, so the order of a token's experts does not matter.
-    remote_dom_mask = _first_occurrence(tgt_dom) & remote_pair  # (L, dp, T, k)
+    remote_dom_mask = _first_occurrence(tgt_dom) & remote_pair
     remote_doms_per_token = remote_dom_mask.sum(axis=-1)
 
     if mode == "per_domain":
-        crossings_per_token = remote_doms_per_token
-        # Receivers: an even share over the group's GPUs in each remote domain.
-        counts = layout.group_domain_counts  # (pp, G, nd)
-        group_key = (np.arange(num_layers, dtype=key_t)[:, None, None] * ngroups + src_group) * nd  # (L, dp, T)
-        key = (group_key[..., None] + tgt_dom)[remote_dom_mask]
-        into = np.bincount(key, minlength=num_layers * counts.shape[1] * nd).reshape(
-            num_layers, counts.shape[1], nd
-        )  # crossings into (layer, group, domain)
-        for li in range(num_layers):
-            s = layer_stage[li]
-            for g in range(counts.shape[1]):
-                gpus = layout.group_gpu[s, g]
-                doms = layout.group_domain[s, g]
-                share = into[li, g, doms] / counts[s, g, doms]
-                np.add.at(nic[li], gpus, share)
-        # NVLink: distinct target GPUs other than the source GPU.
-        nv_mask = _first_occurrence(tgt_gpu) & (tgt_gpu != src_gpu[..., None])
+        # HybridEP / DeepEP normal (placement.dispatch): one RDMA copy per remote *node* of the
+        # token's EP group, landing on the rank of that node with the sender's local index
+        # (deepseek-ai/DeepEP hybrid-ep @94a9f8f, docs/Hybrid-EP_Implementation.md: "GPUs with the
+        # same local rank across different nodes" are peers), then NVLink fan-out inside the node.
+        if rule == "domain" or layout.small_node_groups(rule) == 0:
+            remote_node_mask = remote_dom_mask  # every node is a group's part of a domain
+        else:
+            tgt_node = expert_node.reshape(-1)[flat]  # (L, dp, T, k)
+            remote_node_mask = _first_occurrence(tgt_node) & (tgt_node != src_node[..., None])
+        crossings_per_token = remote_node_mask.sum(axis=-1)
+        if rule == "domain":
+            # No dispatcher's landing rule: an even share over the group's GPUs in each remote domain
+            # (the rank layout's estimator, solvers/layout, counts it so).
+            counts = layout.group_domain_counts  # (pp, G, nd)
+            nd = cl.num_domains
+            group_key = (np.arange(num_layers)[:, None, None] * ngroups + src_group) * nd  # (L, dp, T)
+            into = np.bincount((group_key[..., None] + tgt_dom)[remote_node_mask],
+                               minlength=num_layers * ngroups * nd).reshape(num_layers, ngroups, nd)
+            for li in range(num_layers):
+                s = layer_stage[li]
+                for g in range(ngroups):
+                    doms = layout.group_domain[s, g]
+                    np.add.at(recv[li], layout.group_gpu[s, g], into[li, g, doms] / counts[s, g, doms])
+            nv_mask = _first_occurrence(tgt_gpu) & (tgt_gpu != src_gpu[..., None])
+        else:
+            # The copy into a node lands on its EP rank ``node * n + src_local`` (the sender itself
+            # inside its own node); gathered per (layer, group, expert), then per (token, expert).
+            n_le = node_n[stage3, np.arange(ngroups)[None, :, None]]  # (L, G, 1) ranks per node
+            expert_local = e2r[:, None, :] % n_le  # (L, G, E) the expert's rank's local index
+            src_local = (src_ep % node_n[stage3, src_group]).astype(gpu_t)  # (L, dp, T)
+            ep = layout.groups.shape[2]
+            # (L, G, E) flat index of the expert's node's first rank in a (L, G, ep) table
+            node_first = ((np.arange(num_layers)[:, None, None] * ngroups + np.arange(ngroups)[None, :, None]) * ep
+                          + e2r[:, None, :] - expert_local).astype(np.int64)
+            sel = remote_node_mask
+            landing = node_first.reshape(-1)[flat[sel]] + np.broadcast_to(src_local[..., None], sel.shape)[sel]
+            landing_key = (layer_base + layout.group_gpu[layer_stage]).reshape(-1)  # (L * G * ep,) flat keys
+            count(recv, landing_key[landing])
+            # NVLink: distinct target GPUs other than the GPU the copy reached first (the sender, or
+            # the RDMA landing GPU of a remote node): a target whose local index is not the sender's.
+            tgt_local = expert_local.astype(gpu_t).reshape(-1)[flat]
+            nv_mask = _first_occurrence(tgt_gpu) & (tgt_local != src_local[..., None])
         count(nvl, tgt_key[nv_mask])
+        remote_nodes_per_token = crossings_per_token
     else:
         crossings_per_token = remote_pairs_per_token
-        count(nic, tgt_key[remote_pair])
+        count(recv, tgt_key[remote_pair])
         local_other = (~remote_pair) & (tgt_gpu != src_gpu[..., None])
         count(nvl, tgt_key[local_other])
-    # Senders: the source GPU's NIC carries every crossing of its token.
+        remote_nodes_per_token = remote_doms_per_token
+    # Senders: the source GPU's NIC sends every crossing of its token (the combine, reduced per node
+    # before RDMA, comes back as the same number of copies, landing GPU -> source).
     src_key = (layer_base + src_gpu).reshape(-1)
-    nic += np.bincount(src_key, weights=crossings_per_token.astype(np.float64).reshape(-1), minlength=cells).reshape(
+    sent += np.bincount(src_key, weights=crossings_per_token.astype(np.float64).reshape(-1), minlength=cells).reshape(
         num_layers, ngpu
     )
-
-    nic *= weight * nic_copy
+    # Each NIC per direction: in every transfer one direction carries the copies the GPU sends, the
+    # other those it receives (dispatch and combine swap them), so the busier direction carries
+    # max(sent, received) copies of that transfer's bytes; over the step's four transfers that is
+    # max(sent, received) x roundtrip_bytes_per_copy.
+    nic = np.maximum(sent, recv) * (weight * fabric_copy)
     nvl *= weight * nic_copy
     cross_per_layer = crossings_per_token.sum(axis=(1, 2)) * weight * fabric_copy
     intra_per_layer = nvl.sum(axis=1) * (fabric_copy / nic_copy)  # each NVLink copy counted like a fabric copy
@@ -352,6 +434,10 @@ def evaluate(
         max_gpu_nvlink_bytes_per_layer=[float(x) for x in nvl.max(axis=1)],
         expert_load_lasting_max_over_mean_per_layer=lasting,
         expert_load_lasting_max_over_mean=max(lasting, default=1.0),
+        max_gpu_nic_sent_bytes_per_layer=[float(x) for x in sent.max(axis=1) * (weight * fabric_copy)],
+        max_gpu_nic_received_bytes_per_layer=[float(x) for x in recv.max(axis=1) * (weight * fabric_copy)],
+        remote_nodes_per_token=float(remote_nodes_per_token.sum() / ntok),
+        small_node_ep_groups=layout.small_node_groups(rule) if mode == "per_domain" else 0,
     )
 
 
@@ -507,6 +593,7 @@ def fabric_bytes_per_crossing(instance: Instance, sampled_tokens_per_source: int
 
 
 def nic_bytes_per_crossing(instance: Instance, sampled_tokens_per_source: int) -> float:
-    """Bytes per step one sampled crossing (or NVLink copy) puts on each end's port, one direction."""
+    """Bytes per step one sampled NVLink copy puts on its receiving port (the NIC is priced per direction
+    at :func:`fabric_bytes_per_crossing` per copy, see :func:`evaluate`)."""
     return sampled_token_weight(instance, sampled_tokens_per_source) * instance.model.nic_bytes_per_copy
 

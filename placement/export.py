@@ -78,6 +78,7 @@ __all__ = [
     "parse_slurm_hostfile",
     "parse_slurm_launch",
     "hybridep_rank2n",
+    "hybridep_small_node_groups",
     "hybridep_env",
     "hybridep_env_text",
     "parse_hybridep_env_text",
@@ -458,26 +459,39 @@ def parse_slurm_launch(hostfile_text: str, gpus_text: str, instance: Instance) -
 def hybridep_rank2n(instance: Instance, placement: Placement) -> np.ndarray:
     """(world,) ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` for each global rank's EP group.
 
-    HybridEP numbers the ranks of an EP group ``local = rank % n``, ``node = rank // n``: each
-    run of ``n`` consecutive EP ranks must sit in one NVLink domain, a different domain per run,
-    so ``n = ep / (domains the group touches)``.
-
-    Raises
-    ------
-    InfeasibleError
-        When an EP group breaks the equal-slices rule.
+    HybridEP numbers the ranks of an EP group ``local = rank % n``, ``node = rank // n``
+    (deepseek-ai/DeepEP hybrid-ep @94a9f8f, ``deep_ep/hybrid_ep_buffer.py``) and needs every node
+    inside one NVLink domain; two nodes talk over RDMA, even inside one domain.  ``n`` is the
+    largest such value, the gcd of the group's runs of consecutive EP ranks per domain
+    (:func:`placement.dispatch.node_size`): a group with equal consecutive slices per domain gets
+    its slice; an unequal split (8/56) runs smaller nodes (8), exactly as :func:`placement.cost.evaluate`
+    prices it.  Every layout is runnable this way (``n = 1`` at worst).
     """
-    bad = deepep_violations(instance, placement)
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise InfeasibleError(f"hybridep: {bad[0]}{more}")
+    from placement.dispatch import node_size
+
     cl, par = instance.cluster, instance.parallel
     rank2n = np.zeros(par.world_size, dtype=np.int64)
+    r2g = np.asarray(placement.rank2gpu, dtype=np.int64)
     for s in range(par.pp):
         for ranks in par.stage_ep_groups[s]:
-            n_domains = len({int(cl.gpu2domain[int(placement.rank2gpu[r])]) for r in ranks})
-            rank2n[ranks] = par.ep // n_domains
+            rank2n[ranks] = node_size(cl.gpu2domain[r2g[ranks]], "hybridep")
     return rank2n
+
+
+def hybridep_small_node_groups(instance: Instance, placement: Placement) -> list[str]:
+    """One line per EP group that HybridEP runs with nodes smaller than its part of a domain."""
+    cl, par = instance.cluster, instance.parallel
+    rank2n = hybridep_rank2n(instance, placement)
+    out = []
+    r2g = np.asarray(placement.rank2gpu, dtype=np.int64)
+    for s in range(par.pp):
+        for gi, ranks in enumerate(par.stage_ep_groups[s]):
+            doms = cl.gpu2domain[r2g[ranks]]
+            n = int(rank2n[ranks[0]])
+            counts = np.unique(doms, return_counts=True)[1]
+            if (counts != n).any():
+                out.append(f"stage {s} EP group {gi}: {counts.tolist()} ranks per domain, nodes of {n}")
+    return out
 
 
 def hybridep_env(instance: Instance, placement: Placement, rank: int | None = None) -> dict[str, str]:
@@ -490,8 +504,8 @@ def hybridep_env(instance: Instance, placement: Placement, rank: int | None = No
     Raises
     ------
     InfeasibleError
-        An EP group breaks the equal-slices rule; or ``rank`` is None and the EP groups need
-        different values (use :func:`hybridep_env_text`, which chooses by rank).
+        ``rank`` is None and the EP groups need different values (use :func:`hybridep_env_text`,
+        which chooses by rank).
     """
     rank2n = hybridep_rank2n(instance, placement)
     if rank is None:
@@ -527,8 +541,13 @@ def hybridep_env_text(instance: Instance, placement: Placement) -> str:
     par = instance.parallel
     head = f"# HybridEP layout for instance {instance.name} (sha256 {instance.sha256[:16]}...), written by placement export"
     env = hybridep_env(instance, placement, rank=0)
+    small = hybridep_small_node_groups(instance, placement)
+    if small:
+        head += (f"\n# {len(small)} EP group(s) run nodes smaller than their part of an NVLink domain (RDMA between "
+                 f"nodes of one domain), e.g. {small[0]}")
     if len(values) == 1:
-        lines = [head, f"# every EP group (ep={par.ep}) holds {values[0]} consecutive EP ranks in each of {par.ep // values[0]} NVLink domain(s)"]
+        lines = [head, f"# every EP group (ep={par.ep}) runs {par.ep // values[0]} node(s) of {values[0]} consecutive EP ranks, "
+                 "each node inside one NVLink domain"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
         return "\n".join(lines) + "\n"
     lines = [

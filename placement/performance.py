@@ -659,11 +659,9 @@ class StepTimeModel:
         """
         m = self.micro_batches
         if nic_bytes_per_layer is not None and nvlink_bytes_per_layer is not None and len(nvlink_bytes_per_layer):
-            # The evaluator's busiest-NIC count adds the copies a GPU sends and those it receives;
-            # the full-duplex NIC carries them in opposite directions, so each direction holds about
-            # half of them (exactly half when sends and receives balance, as in an all-to-all among
-            # equal groups).
-            nic_copies = np.asarray(nic_bytes_per_layer, dtype=np.float64) / self._nic_copy / m / 2.0
+            # The evaluator's busiest NIC is already per direction: max(copies sent, copies
+            # received) times the four transfers' bytes (placement.cost), read back as copies.
+            nic_copies = np.asarray(nic_bytes_per_layer, dtype=np.float64) / self._transfer_bytes.sum() / m
             nvl_copies = np.asarray(nvlink_bytes_per_layer, dtype=np.float64) / self._nic_copy / m
             t_nic = nic_copies[:, None] * self._transfer_bytes[None, :] / self._nic_bps
             t_nvl = nvl_copies[:, None] * self._transfer_bytes[None, :] / self._nvl_bps[None, :]

@@ -38,6 +38,7 @@ __all__ = [
     "default_workers",
     "group_preserving_default",
     "resolve_apply",
+    "default_consumer",
     "call_on_stop",
     "heuristic_result",
 ]
@@ -198,6 +199,14 @@ class SolveOptions:
     def report(self, message: str) -> None:
         if self.progress is not None:
             self.progress(message)
+
+
+def default_consumer(instance: Instance) -> Consumer:
+    """The consumer rule a solve follows unless the caller names one: the instance's
+    ``performance.dispatcher`` when it is ``hybridep`` or ``deepep`` (their equal-slice rule), else
+    ``none`` (``alltoall``, or no performance block)."""
+    dispatcher = getattr(instance.performance, "dispatcher", None) if instance.performance is not None else None
+    return "hybridep" if dispatcher == "hybridep" else "deepep" if dispatcher == "deepep" else "none"
 
 
 def group_preserving_default(instance: Instance, apply: Apply | None = None) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from math import comb
+from functools import reduce
+from itertools import groupby
+from math import comb, gcd
 
 import numpy as np
 import pytest
@@ -14,19 +16,33 @@ from placement.model import Cluster, Instance, MoEModel, ParallelLayout, Placeme
 from tests.conftest import random_instance, random_placement
 
 
+def hybridep_nodes(domains: list[int]) -> int:
+    """HybridEP's ranks per node of one EP group: the gcd of its runs of consecutive EP ranks in one
+    domain (deepseek-ai/DeepEP hybrid-ep, deep_ep/hybrid_ep_buffer.py: node = rank // n)."""
+    runs = [len(list(r)) for _, r in groupby(domains)]
+    return reduce(gcd, runs)
+
+
 def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
-    """Token by token, with sets and dicts: what the cost model's docstring says, nothing clever."""
+    """Token by token, with sets and dicts: what the cost model's docstring says, nothing clever.
+
+    ``per_domain`` is HybridEP: nodes of ``n`` consecutive EP ranks (``n`` the gcd of the group's
+    runs per domain), one crossing per remote node, landing on the same local index, NVLink from
+    the GPU a copy reached first; each NIC at max(copies sent, copies received) per layer.
+    """
     m, par, cl = inst.model, inst.parallel, inst.cluster
     topk = inst.routing.topk if window == "sampled" else inst.routing.heldout_topk
     L, dp, T, k = topk.shape
     w = par.global_batch * par.seq_len / par.dp / T
     e_per_rank = m.num_experts // par.ep
-    nic = {}
-    nvl = {}
-    load = {}
+    sent: dict = {}
+    recv: dict = {}
+    nvl: dict = {}
+    load: dict = {}
     cross = [0.0] * L
     cross_group = np.zeros((par.pp, par.ranks_per_stage // par.ep))
     remote_doms = 0
+    remote_nodes = 0
     remote_pairs = 0
     coords = par.rank_coords
     for li in range(L):
@@ -41,9 +57,12 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
                 src = senders[t % len(senders)]
                 gi = next(i for i, g in enumerate(groups) if src in g)
                 group = groups[gi]
+                n = hybridep_nodes([int(cl.gpu2domain[pl.rank2gpu[r]]) for r in group])
+                si = group.index(src)
                 sg = int(pl.rank2gpu[src])
                 sd = int(cl.gpu2domain[sg])
-                gpus = [int(pl.rank2gpu[group[slot_of[int(e)] // e_per_rank]]) for e in topk[li, j, t]]
+                eranks = [slot_of[int(e)] // e_per_rank for e in topk[li, j, t]]
+                gpus = [int(pl.rank2gpu[group[r]]) for r in eranks]
                 doms = [int(cl.gpu2domain[g]) for g in gpus]
                 for g in gpus:
                     load[(li, g)] = load.get((li, g), 0) + w
@@ -51,27 +70,34 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
                 remote_doms += len(remote)
                 remote_pairs += sum(d != sd for d in doms)
                 if mode == "per_domain":
-                    cross[li] += len(remote) * w * m.roundtrip_bytes_per_copy
-                    cross_group[s, gi] += len(remote) * w * m.roundtrip_bytes_per_copy
-                    nic[(li, sg)] = nic.get((li, sg), 0) + len(remote) * w * m.nic_bytes_per_copy
-                    for d in remote:
-                        members = [int(pl.rank2gpu[r]) for r in group if cl.gpu2domain[pl.rank2gpu[r]] == d]
-                        for g in members:
-                            nic[(li, g)] = nic.get((li, g), 0) + w * m.nic_bytes_per_copy / len(members)
-                    for g in set(gpus) - {sg}:
-                        nvl[(li, g)] = nvl.get((li, g), 0) + w * m.nic_bytes_per_copy
+                    nodes = {r // n for r in eranks} - {si // n}
+                    remote_nodes += len(nodes)
+                    cross[li] += len(nodes) * w * m.roundtrip_bytes_per_copy
+                    cross_group[s, gi] += len(nodes) * w * m.roundtrip_bytes_per_copy
+                    sent[(li, sg)] = sent.get((li, sg), 0) + len(nodes) * w
+                    landing = {si // n: sg}
+                    for q in nodes:
+                        lg = int(pl.rank2gpu[group[q * n + si % n]])
+                        landing[q] = lg
+                        recv[(li, lg)] = recv.get((li, lg), 0) + w
+                    for r in set(eranks):
+                        g = int(pl.rank2gpu[group[r]])
+                        if g != landing[r // n]:
+                            nvl[(li, g)] = nvl.get((li, g), 0) + w * m.nic_bytes_per_copy
                 else:
+                    remote_nodes += len(remote)
                     for g, d in zip(gpus, doms):
                         if d != sd:
                             cross[li] += w * m.roundtrip_bytes_per_copy
                             cross_group[s, gi] += w * m.roundtrip_bytes_per_copy
-                            nic[(li, sg)] = nic.get((li, sg), 0) + w * m.nic_bytes_per_copy
-                            nic[(li, g)] = nic.get((li, g), 0) + w * m.nic_bytes_per_copy
+                            sent[(li, sg)] = sent.get((li, sg), 0) + w
+                            recv[(li, g)] = recv.get((li, g), 0) + w
                         elif g != sg:
                             nvl[(li, g)] = nvl.get((li, g), 0) + w * m.nic_bytes_per_copy
-    per_gpu_total = {}
-    for (li, g), v in nic.items():
-        per_gpu_total[g] = per_gpu_total.get(g, 0) + v
+    per_gpu_total: dict = {}
+    for key in set(sent) | set(recv):
+        busier = max(sent.get(key, 0.0), recv.get(key, 0.0)) * m.roundtrip_bytes_per_copy
+        per_gpu_total[key[1]] = per_gpu_total.get(key[1], 0) + busier
     lmm = []
     for li in range(L):
         s = par.layer2stage[m.moe_layers[li]]
@@ -86,9 +112,14 @@ def reference(inst: Instance, pl: Placement, window: str, mode: str) -> dict:
         "cross_per_layer": cross,
         "cross_per_group": cross_group,
         "max_nic": max(per_gpu_total.values(), default=0.0),
+        "max_sent": [max([v for (lj, _), v in sent.items() if lj == li], default=0.0) * m.roundtrip_bytes_per_copy
+                     for li in range(L)],
+        "max_recv": [max([v for (lj, _), v in recv.items() if lj == li], default=0.0) * m.roundtrip_bytes_per_copy
+                     for li in range(L)],
         "intra": sum(nvl.values()) * m.roundtrip_bytes_per_copy / m.nic_bytes_per_copy,  # as fabric copies
         "lmm": max(lmm),
         "remote_domains_per_token": remote_doms / (L * dp * T),
+        "remote_nodes_per_token": remote_nodes / (L * dp * T),
         "remote_experts_per_token": remote_pairs / (L * dp * T),
     }
 
@@ -126,6 +157,9 @@ def test_matches_reference(case):
     assert got.expert_load_max_over_mean == pytest.approx(ref["lmm"], rel=1e-9)
     assert got.remote_domains_per_token == pytest.approx(ref["remote_domains_per_token"])
     assert got.remote_experts_per_token == pytest.approx(ref["remote_experts_per_token"])
+    assert got.remote_nodes_per_token == pytest.approx(ref["remote_nodes_per_token"])
+    assert got.max_gpu_nic_sent_bytes_per_layer == pytest.approx(ref["max_sent"], rel=1e-9, abs=1e-6)
+    assert got.max_gpu_nic_received_bytes_per_layer == pytest.approx(ref["max_recv"], rel=1e-9, abs=1e-6)
     assert sum(got.cross_domain_bytes_per_stage) == pytest.approx(got.cross_domain_bytes_per_step)
     per_group = np.array(got.cross_domain_bytes_per_ep_group)
     assert per_group.shape == ref["cross_per_group"].shape

@@ -229,21 +229,17 @@ def hybrid_instance():
     return random_instance(np.random.default_rng(6), ep=4, dp=4, pp=2, num_domains=4, trays_per_domain=2, gpus_per_tray=2)
 
 
-def brute_force_rank2n(inst, rank2gpu) -> np.ndarray | None:
-    """Per rank, the n with which its EP group is n consecutive ranks per distinct domain (None: no n)."""
+def brute_force_rank2n(inst, rank2gpu) -> np.ndarray:
+    """Per rank, the largest n dividing ep with every run of n consecutive EP ranks of its group in
+    one domain (HybridEP's node = rank // n, deep_ep/hybrid_ep_buffer.py on DeepEP's hybrid-ep branch)."""
     par, cl = inst.parallel, inst.cluster
     out = np.zeros(par.world_size, dtype=int)
     for s in range(par.pp):
         for ranks in par.stage_ep_groups[s]:
             doms = [int(cl.gpu2domain[rank2gpu[r]]) for r in ranks]
-            fits = []
-            for n in range(1, par.ep + 1):
-                slices = [doms[k * n : (k + 1) * n] for k in range(par.ep // n)] if par.ep % n == 0 else []
-                if slices and all(len(set(sl)) == 1 for sl in slices) and len({sl[0] for sl in slices}) == len(slices):
-                    fits.append(n)
-            if len(fits) != 1:
-                return None
-            out[ranks] = fits[0]
+            fits = [n for n in range(1, par.ep + 1) if par.ep % n == 0
+                    and all(len(set(doms[k * n : (k + 1) * n])) == 1 for k in range(par.ep // n))]
+            out[ranks] = max(fits)
     return out
 
 
@@ -285,11 +281,13 @@ def test_hybridep_per_rank_values_when_groups_differ(tmp_path):
         assert source_env(path, rank) == want  # what a real shell makes of the file
 
 
-def test_hybridep_refuses_interleaved_layouts():
+def test_hybridep_runs_interleaved_layouts_with_one_rank_nodes():
     inst = hybrid_instance()
     interleaved = Placement(np.array([0, 4, 1, 5, 8, 9, 10, 11]), np.tile(np.arange(8), (3, 1)))
-    with pytest.raises(InfeasibleError, match="equal consecutive slices"):
-        ex.hybridep_env_text(inst, interleaved)
+    assert ex.hybridep_rank2n(inst, interleaved).tolist() == [1, 1, 1, 1, 4, 4, 4, 4]
+    text = ex.hybridep_env_text(inst, interleaved)
+    assert "1 EP group(s) run nodes smaller" in text
+    assert ex.parse_hybridep_env_text(text, 0)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "1"
 
 
 @settings(max_examples=60, deadline=None)
@@ -313,14 +311,10 @@ def test_hybridep_agrees_with_brute_force(r):
             r2g = np.array(chosen)
     p = Placement(r2g, np.tile(np.arange(8), (3, 1)))
     want = brute_force_rank2n(inst, r2g)
-    try:
-        got = ex.hybridep_rank2n(inst, p)
-    except InfeasibleError:
-        got = None
-    assert (got is None and want is None) or (got is not None and want is not None and got.tolist() == want.tolist())
-    if got is not None:
-        text = ex.hybridep_env_text(inst, p)
-        assert [int(ex.parse_hybridep_env_text(text, k)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"]) for k in range(8)] == got.tolist()
+    got = ex.hybridep_rank2n(inst, p)
+    assert got.tolist() == want.tolist()
+    text = ex.hybridep_env_text(inst, p)
+    assert [int(ex.parse_hybridep_env_text(text, k)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"]) for k in range(8)] == got.tolist()
 
 
 def test_env_reader():
@@ -379,9 +373,10 @@ def test_cli_export_exit_codes(tmp_path, capsys):
     p = Placement(np.array([0, 4, 1, 5, 8, 9, 10, 11]), np.tile(np.arange(8), (3, 1)))
     ipath, ppath, inst = write_pair(tmp_path, inst, p)
     out = tmp_path / "env.sh"
-    assert main(["export", str(ppath), "--format", "hybridep", "-o", str(out), "--instance", str(ipath)]) == 3
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "equal consecutive slices" in err and not out.exists()
+    # HybridEP runs the interleaved stage with nodes of one rank (per-rank values in the file)
+    assert main(["export", str(ppath), "--format", "hybridep", "-o", str(out), "--instance", str(ipath)]) == 0
+    assert ex.parse_hybridep_env_text(out.read_text(), 1)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "1"
+    capsys.readouterr()
 
     # an instance that is not the one the placement was solved for
     assert main(["export", str(ppath), "--format", "sglang", "-o", str(tmp_path / "s.json"), "--instance", str(INSTANCES / "tiny.json")]) == 2

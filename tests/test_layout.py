@@ -25,6 +25,7 @@ from solvers.layout import (
     shape_candidates,
     stage_footprints,
 )
+from solvers.layout.rules import equal_slice_breaks
 from solvers.layout.tokens import Tokens, crossings
 from tests.conftest import random_instance
 
@@ -142,7 +143,9 @@ def test_estimate_matches_evaluator(mode, tp):
         est = estimate_layout(inst, r2g, group_preserving=False)
         placement = Placement(r2g, est["phy2log"])
         assert check(inst, placement) == []
-        m = evaluate(inst, placement)
+        m = evaluate(inst, placement, rule="domain")  # the estimator counts whole domains (docs/design.md)
+        if mode == "per_domain" and not equal_slice_breaks(inst, r2g):  # where HybridEP's node is the domain slice
+            assert evaluate(inst, placement).cross_domain_bytes_per_step == pytest.approx(m.cross_domain_bytes_per_step)
         assert est["total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9)
         assert est["stage_bytes"] == pytest.approx(m.cross_domain_bytes_per_stage, rel=1e-9)
 
@@ -170,14 +173,14 @@ def test_estimate_holds_against_the_evaluator_with_several_ep_groups_per_stage(s
     est = estimate_layout(inst, r2g, group_preserving=gp)
     placement = Placement(r2g, est["phy2log"])
     assert check(inst, placement) == []
-    m = evaluate(inst, placement)
+    m = evaluate(inst, placement, rule="domain")  # the estimator counts whole domains
     assert est["total_bytes"] == pytest.approx(m.cross_domain_bytes_per_step, rel=1e-9, abs=1e-6)
     assert est["stage_bytes"] == pytest.approx(m.cross_domain_bytes_per_stage, rel=1e-9, abs=1e-6)
     nic_bw = cl.scaleout_gbps * 1e9
     est_nic = np.array(est["layer_nic_s"]) * nic_bw
     true_nic = np.array(m.max_gpu_cross_domain_bytes_per_layer)
     identity = np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1))
-    contiguous = evaluate(inst, Placement(r2g, identity), cost_mode="per_domain")
+    contiguous = evaluate(inst, Placement(r2g, identity), cost_mode="per_domain", rule="domain")
     l2s = inst.moe_layer2stage
     true_nic_s = np.bincount(l2s, weights=true_nic / nic_bw, minlength=inst.parallel.pp)
     tol = 1e-9
@@ -200,7 +203,7 @@ def test_estimate_group_preserving_map_is_group_preserving(tiny):
     est = estimate_layout(tiny, r2g, group_preserving=True)
     placement = Placement(r2g, est["phy2log"])
     assert check(tiny, placement) == [] and violates_group_preservation(tiny, placement) == []
-    assert est["total_bytes"] == pytest.approx(evaluate(tiny, placement).cross_domain_bytes_per_step)
+    assert est["total_bytes"] == pytest.approx(evaluate(tiny, placement, rule="domain").cross_domain_bytes_per_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,10 +567,15 @@ def test_total_objective_keeps_every_stage_within_the_defaults_slowest(seed):
     # the cap binds here: the bytes-optimal footprint is slower than the default's slowest stage
     cheapest = min(every, key=lambda r: (r[0], r[1]))
     assert cheapest[1] > cap * 1.1
-    # every stage of the plan is within the cap, and no footprint within it moves fewer bytes
-    assert max(plan.details["estimate"]["stage_time_s"]) <= cap * (1 + 1e-9)
-    best_within = min(r[0] for r in every if r[1] <= cap * (1 + 1e-9))
-    assert plan.details["estimated_total_bytes"] <= best_within * (1 + 1e-9)
+    # every stage of the plan is within the cap, and no footprint within it moves fewer bytes; unless
+    # the evaluator, which prices HybridEP's nodes where the estimator counts whole domains
+    # (docs/design.md), found the pick slower than the default and returned the default
+    if plan.details["chosen"] != "default, contiguous experts":
+        assert max(plan.details["estimate"]["stage_time_s"]) <= cap * (1 + 1e-9)
+        best_within = min(r[0] for r in every if r[1] <= cap * (1 + 1e-9))
+        assert plan.details["estimated_total_bytes"] <= best_within * (1 + 1e-9)
+    else:
+        assert plan.details["evaluator_check"]["checked"]  # the estimator's pick was priced and refused
     # and on the evaluator's numbers, with the plan's expert maps
     placement = Placement(plan.rank2gpu, plan.phy2log)
     default = Placement(default_rank2gpu(inst), np.tile(np.arange(8), (inst.model.num_moe_layers, 1)))
@@ -731,5 +739,7 @@ def test_group_aligned_candidate_keeps_group_positions_in_one_domain():
     assert check(inst, placement) == []
     # its estimate is the evaluator's bytes
     assert evaluate(inst, placement).cross_domain_bytes_per_step == pytest.approx(cand.estimate["total_bytes"])
-    # and the chosen layout is never worse on the objective than this candidate
-    assert plan.details["estimated_total_bytes"] <= cand.estimate["total_bytes"] + 1e-6
+    # and the chosen layout is never worse on the objective than this candidate (on the estimator's
+    # whole-domain count), unless the evaluator's HybridEP pricing sent the plan back to the default
+    if plan.details["chosen"] != "default, contiguous experts":
+        assert plan.details["estimated_total_bytes"] <= cand.estimate["total_bytes"] + 1e-6

@@ -293,7 +293,7 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
 def _layer_weight(instance: Instance, layout: LayoutIndex, layer: int) -> tuple[float, float]:
     """``(weight, pairs)`` of a layer, known without building it: its sampled (token, expert) pairs
     (0 for a trivial layer), and those times its classes beyond the first (its relative difficulty)."""
-    C = domain_classes(layout.group_domain[int(instance.moe_layer2stage[layer])])[0].shape[0]
+    C = domain_classes(layout.group_node[int(instance.moe_layer2stage[layer])])[0].shape[0]
     dp, T, k = instance.routing.topk.shape[1:]
     pairs = float(dp * T * k) if C > 1 else 0.0
     return pairs * (C - 1), pairs

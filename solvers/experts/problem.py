@@ -269,15 +269,17 @@ def build_layer_problem(
         (:func:`solvers.experts.windows.window_parts`); with one window every value gives today's
         problem.
     """
-    model, cl = instance.model, instance.cluster
+    model = instance.model
     topk = np.asarray(instance.routing.topk[layer], dtype=np.int64)  # (dp, T, k)
     dp, T, k = topk.shape
     if layout is None or layout.src_rank.shape[2] != T:
         layout = LayoutIndex(instance, rank2gpu, T)
     s = int(instance.moe_layer2stage[layer])
-    group_dom = layout.group_domain[s]  # (G, ep) global domain of each EP rank of each group
+    # (G, ep) the dispatcher's node of each EP rank of each group (placement.dispatch): its domain
+    # under an equal-slice layout or ``per_pair``, a smaller node where HybridEP/DeepEP runs one
+    group_dom = layout.group_node[s]
     domains = np.unique(group_dom)
-    local = np.full(cl.num_domains, -1, dtype=np.int64)
+    local = np.full(int(domains.max()) + 1, -1, dtype=np.int64)
     local[domains] = np.arange(domains.shape[0])
     class_sig, rank2class = domain_classes(local[group_dom])
     epr = instance.experts_per_rank
@@ -285,7 +287,7 @@ def build_layer_problem(
 
     src_rank = layout.src_rank[s]  # (dp, T)
     src_group = layout.rank2group[src_rank]
-    src_dom = local[cl.gpu2domain[layout.rank2gpu[src_rank]]]
+    src_dom = local[group_dom[src_group, layout.rank2eprank[src_rank]]]
     if (src_dom < 0).any():  # pragma: no cover - sources are ranks of the stage's EP groups
         raise SolverError(f"layer {layer}: a source GPU lies outside its stage's EP groups")
     G = class_sig.shape[1]

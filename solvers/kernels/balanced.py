@@ -65,10 +65,10 @@ def balanced_packing(weights: np.ndarray, capacities: np.ndarray) -> np.ndarray:
 
 
 def stage_rank_nodes(instance: Instance, rank2gpu: np.ndarray, stage: int) -> np.ndarray:
-    """EPLB's "nodes" for one pipeline stage: EP ranks grouped by domain in every EP group.
+    """EPLB's "nodes" for one pipeline stage: EP ranks grouped by the dispatcher's node in every EP group.
 
-    Two EP ranks share a node when, in each EP group of the stage, their GPUs sit in the same NVLink
-    domain.  With one EP group per stage the nodes are exactly the domains the group touches.
+    Two EP ranks share a node when, in each EP group of the stage, they sit in the same node of the
+    dispatcher (:mod:`placement.dispatch`; the same NVLink domain under an equal-slice layout).  With one EP group per stage the nodes are exactly the domains the group touches.
 
     Parameters
     ----------
@@ -80,9 +80,12 @@ def stage_rank_nodes(instance: Instance, rank2gpu: np.ndarray, stage: int) -> np
     -------
     (ep,) int64 node of each EP rank, numbered by first appearance in EP-rank order.
     """
+    from placement.dispatch import node_labels, node_rule
+
     groups = instance.parallel.stage_ep_groups[stage]  # (G, ep) global ranks
     domains = instance.cluster.gpu2domain[np.asarray(rank2gpu, dtype=np.int64)[groups]]  # (G, ep)
-    return domain_classes(domains, numbering="first_appearance")[1]
+    # the dispatcher's nodes (placement.dispatch): the domains under an equal-slice layout
+    return domain_classes(node_labels(domains, node_rule(instance))[0], numbering="first_appearance")[1]
 
 
 def expert_loads(topk: np.ndarray, num_experts: int) -> np.ndarray:

@@ -191,8 +191,9 @@ def place_on_parts(
 def nic_copies(
     tok: Tokens, e2p: np.ndarray, part_of_ep: np.ndarray, src_part: np.ndarray, P: int, mode: str, cross: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(ep,) copies on each EP rank's NIC: sent as a source + an even share of its part's arrivals;
-    and (P,) the arrivals of each part.
+    """(ep,) copies on each EP rank's NIC in its busier direction: the larger of those it sends as
+    a source and an even share of its part's arrivals (placement.cost prices each NIC per
+    direction); and (P,) the arrivals of each part.
 
     ``per_domain`` arrivals land on the group's GPUs of the remote domain evenly (the evaluator's
     model); ``per_pair`` arrivals land on the expert's GPU, approximated here by an even share.
@@ -208,4 +209,4 @@ def nic_copies(
         present[np.arange(tok.n), src_part] = False
         into = present.sum(axis=0).astype(np.float64)
     size = np.bincount(part_of_ep, minlength=P).astype(np.float64)
-    return sent + into[part_of_ep] / size[part_of_ep], into
+    return np.maximum(sent, into[part_of_ep] / size[part_of_ep]), into

@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from placement.cost import evaluate
+from placement.dispatch import node_labels, node_rule
 from placement.model import InfeasibleError, Instance, Placement, SolverError
 from solvers.base import Objective, SolveOptions
 from solvers.kernels.classes import domain_classes
@@ -23,7 +24,7 @@ from solvers.layout.candidates import (Candidate, ExactScores, assign_gpus, esti
                                        offer_exact, public_estimate, rank_key, summarise)
 from solvers.layout.pricing import Footprints, FootprintSearch
 from solvers.layout.replicas import MAX_SOURCE_ROUNDS, place_sources
-from solvers.layout.rules import atoms_in_ep_order, equal_slice_breaks, infeasible_reason
+from solvers.layout.rules import atoms_in_ep_order, equal_slice_breaks, equal_slice_footprints, infeasible_reason
 from solvers.layout.scorer import BlockScorer
 from solvers.layout.shapes import shape_candidates, shape_of
 
@@ -83,7 +84,8 @@ def balance_within_classes(instance: Instance, rank2gpu: np.ndarray, phy2log: np
                            group_size: int | None = None) -> np.ndarray:
     """The expert map with each layer's experts re-dealt inside every class, loads balanced.
 
-    A class here is a set of physical slots whose EP rank has the same NVLink domain in every EP
+    A class here is a set of physical slots whose EP rank has the same node (the dispatcher's,
+    :mod:`placement.dispatch`; the NVLink domain under an equal-slice layout) in every EP
     group of the stage (and, with ``group_size``, the same group position): moving experts among
     them changes no token's domain, so the cross-domain bytes stay, and group positions keep their
     expert groups.  Inside each class, heaviest expert first (load: its (token, expert) pairs in the
@@ -103,14 +105,14 @@ def balance_within_classes(instance: Instance, rank2gpu: np.ndarray, phy2log: np
     """
     m, par = instance.model, instance.parallel
     E, epr = m.num_experts, instance.experts_per_rank
-    g2d = instance.cluster.gpu2domain
     r2g = np.asarray(rank2gpu, dtype=np.int64)
+    # the dispatcher's node of every EP rank (its domain under an equal-slice layout)
+    stage_node = node_labels(instance.cluster.gpu2domain[r2g[par.stage_ep_groups]], node_rule(instance))[0]
     out = np.asarray(phy2log, dtype=np.int64).copy()
     stage_of = {int(layer): s for s, layers in enumerate(par.stage_layers) for layer in layers}
     slot_rank = np.arange(E) // epr
     for li, layer in enumerate(m.moe_layers):
-        groups = par.stage_ep_groups[stage_of[int(layer)]]  # (G, ep) global ranks
-        _, rank2class = domain_classes(g2d[r2g[groups]])  # (ep,) class of every EP rank
+        _, rank2class = domain_classes(stage_node[stage_of[int(layer)]])  # (ep,) class of every EP rank
         load = np.bincount(instance.routing.topk[li].ravel(), minlength=E).astype(np.float64)
         slot_class = rank2class[slot_rank] * (E // group_size if group_size else 1)
         if group_size:
@@ -185,6 +187,10 @@ class LayoutPlanner:
         self.cap_s: float | None = None
         self.est_default: dict | None = None
         self.infeasible_units = 0
+        self._equal_fit: Footprints | None = None
+        self._equal_fit_done = False
+        self._moe_fit: Footprints | None = None
+        self._moe_fit_done = False
         self.default_ok = self.rule_ok(self.default_r2g)
         self.details: dict = {
             "method": METHOD,
@@ -195,6 +201,16 @@ class LayoutPlanner:
             "free_gpus_per_domain": [int(x) for x in self.free],
             "work_budget_s": round(self.budget.work_s, 6),
         }
+        if self.equal_only and not self.default_ok and all(atoms_in_ep_order(b) for b in self.blocks):
+            # The default layout breaks the rule: the rule's own fewest-parts layout (contiguous
+            # slices, deterministic) stands in for it as the baseline every search result must beat
+            # and the answer when the clock stops the search before anything is scored.
+            feet = self.equal_fit()
+            if feet is not None:
+                a2ps = [self.scorer.slices(blk, shape_of(f)) for blk, f in zip(self.blocks, feet)]
+                self.default_r2g = assign_gpus(instance, self.blocks, feet, a2ps)[0]
+                self.default_ok = self.rule_ok(self.default_r2g)
+                self.details["baseline"] = "equal-slice fit (the default layout breaks the rule)"
         if self.equal_only and not all(atoms_in_ep_order(b) for b in self.blocks):
             raise InfeasibleError(
                 f"consumer {self.consumer!r}: with parallel.order {instance.parallel.order!r} the TP x CP groups of an "
@@ -298,13 +314,37 @@ class LayoutPlanner:
             shapes.append(cand)
         return shapes
 
+    def equal_fit(self) -> Footprints | None:
+        """Under an equal-slice consumer, one layout that meets the rule (fewest parts;
+        :func:`solvers.layout.rules.equal_slice_footprints`, deterministic), computed once."""
+        if not self._equal_fit_done:
+            self._equal_fit = equal_slice_footprints(self.instance)
+            self._equal_fit_done = True
+        return self._equal_fit
+
     def add_first_fit(self, unit: int, reserve_s: float) -> Footprints | None:
-        """The first-fit layout in parts of ``unit`` GPUs: a hint, and a candidate when affordable."""
-        first = first_fit(self.blocks, self.free, unit) if not self.equal_only else None
-        if first is not None and not any(c.name == "first_fit" for c in self.cands):
+        """The first-fit layout in parts of ``unit`` GPUs: a hint, and a candidate when affordable.
+
+        Without a consumer rule on a HybridEP/DeepEP instance it is the layout whose MoE stages all
+        hold equal slices (``equal_fit``: :func:`solvers.layout.rules.equal_slice_footprints` with
+        ``moe_only``, the last stage, which also holds the loss, kept in as few parts as possible)
+        when one exists: the estimator counts whole domains, so it cannot see the small nodes an
+        unequal split runs."""
+        name, first = "first_fit", None
+        if not self.equal_only and node_rule(self.instance) in ("hybridep", "deepep"):
+            if not self._moe_fit_done:
+                feet = equal_slice_footprints(self.instance, moe_only=True,
+                                              avoid_block=self.blocks[-1].index if self.blocks else None)
+                ok = feet is not None and all(sum(f.values()) == b.size for f, b in zip(feet, self.blocks))
+                self._moe_fit, self._moe_fit_done = (feet if ok else None), True
+            if self._moe_fit is not None:
+                name, first = "equal_fit", self._moe_fit
+        if first is None:
+            first = first_fit(self.blocks, self.free, unit) if not self.equal_only else self.equal_fit()
+        if first is not None and not any(c.name == name for c in self.cands):
             predicted = sum(self.scorer.predict_s(blk, len(f)) for blk, f in zip(self.blocks, first))
             if self.budget.affords(predicted + reserve_s):
-                self.add_footprints("first_fit", first)
+                self.add_footprints(name, first)
         return first
 
     def search_footprints(self, hints: list[Footprints]) -> list[Footprints] | None:

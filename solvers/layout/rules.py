@@ -14,9 +14,13 @@ from typing import Sequence
 import numpy as np
 
 from placement.model import Instance
-from solvers.layout.blocks import Block
+from solvers.layout.blocks import Block, free_per_domain, layout_blocks
 
-__all__ = ["equal_slice_breaks", "infeasible_reason", "atoms_in_ep_order"]
+__all__ = ["equal_slice_breaks", "infeasible_reason", "atoms_in_ep_order", "equal_slices_possible",
+           "equal_slice_footprints"]
+
+#: Deterministic-time limit (CP-SAT's own work units, not the clock) of :func:`equal_slices_possible`.
+EQUAL_SLICES_DET_LIMIT = 5.0
 
 
 def equal_slice_breaks(instance: Instance, rank2gpu: np.ndarray) -> list[str]:
@@ -69,3 +73,81 @@ def infeasible_reason(consumer: str, blocks: Sequence[Block], free: np.ndarray, 
             return (msg + f", the job needs all {total} free GPUs, and {len(bad)} domain(s) with "
                     f"{sorted(set(bad))} free GPUs cannot be filled by such slices")
     return msg + f"; free GPUs per domain {free.tolist()}, the job needs {world}"
+
+
+def equal_slices_possible(instance: Instance) -> bool:
+    """Whether some layout of the free GPUs gives every block equal consecutive slices per domain
+    (:func:`equal_slice_footprints` finds one).
+
+    Examples
+    --------
+    >>> from placement.instances import SPECS, build
+    >>> equal_slices_possible(build(SPECS["tiny"]))
+    True
+    """
+    return equal_slice_footprints(instance) is not None
+
+
+def equal_slice_footprints(instance: Instance, *, moe_only: bool = False,
+                           avoid_block: int | None = None) -> list[dict[int, int]] | None:
+    """Per block, GPUs per domain of a layout with equal consecutive slices, or None when none exists.
+
+    Each block of ``n`` ranks takes ``m`` distinct domains with ``n / m`` GPUs each (``n / m`` a
+    multiple of its TP x CP group size), within every domain's free GPUs; fewest parts first
+    (weighted by the block's MoE layers).  A
+    small CP-SAT model, solved with one worker and a deterministic-time limit
+    (:data:`EQUAL_SLICES_DET_LIMIT`), so the answer never depends on the clock (an undecided model
+    counts as impossible).  The layout search under an equal-slice consumer starts from it; the
+    solve that follows the instance's dispatcher asks it beforehand whether the rule can hold
+    (placement.api.solve).  ``moe_only``: blocks without MoE layers (no all-to-all) take any GPUs,
+    split as needed (a free layout's candidate whose MoE stages all run whole HybridEP nodes).
+    ``avoid_block``: a block (index) kept in as few parts as possible first (the last stage, which
+    also holds the loss and MTP, when it sets the step).
+    """
+    from ortools.sat.python import cp_model
+
+    blocks = layout_blocks(instance)
+    if not all(atoms_in_ep_order(b) for b in blocks):
+        return None
+    free = free_per_domain(instance)
+    num_domains = int(free.shape[0])
+    model = cp_model.CpModel()
+    use: list[list] = [[] for _ in range(num_domains)]
+    choice: list[list[tuple[int, list]]] = []
+    parts = []
+    for b in blocks:
+        a = b.atoms.shape[1]
+        if moe_only and len(b.moe_layers) == 0:  # whole atoms anywhere
+            take = [model.new_int_var(0, int(free[d]) // a, f"b{b.index}d{d}") for d in range(num_domains)]
+            model.add(sum(take) == b.size // a)
+            for d, x in enumerate(take):
+                use[d].append(a * x)
+            choice.append([(a, take)])
+            continue
+        slices = [b.size // m for m in range(1, num_domains + 1) if b.size % m == 0 and (b.size // m) % a == 0]
+        if not slices:
+            return None
+        pick = {v: model.new_bool_var(f"b{b.index}v{v}") for v in slices}
+        model.add_exactly_one(pick.values())
+        rows = []
+        for v in slices:
+            xs = [model.new_bool_var(f"b{b.index}v{v}d{d}") for d in range(num_domains)]
+            model.add(sum(xs) == (b.size // v) * pick[v])
+            for d, x in enumerate(xs):
+                use[d].append(v * x)
+            rows.append((v, xs))
+            # parts, weighted by the block's MoE layers (and heavily on ``avoid_block``)
+            weight = max(1, len(b.moe_layers)) * (100 if b.index == avoid_block else 1)
+            parts.append(weight * (b.size // v) * pick[v])
+        choice.append(rows)
+    for d in range(num_domains):
+        model.add(sum(use[d]) <= int(free[d]))
+    model.minimize(sum(parts))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_deterministic_time = EQUAL_SLICES_DET_LIMIT
+    if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return [{d: v * int(solver.value(x)) for v, xs in rows for d, x in enumerate(xs) if solver.value(x)}
+            for rows in choice]

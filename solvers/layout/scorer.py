@@ -80,7 +80,8 @@ class BlockScorer:
         n_tok = max(1, t1 - t0)
         self.bytes_per_crossing = fabric_bytes_per_crossing(instance, n_tok)
         nic_bytes = nic_bytes_per_crossing(instance, n_tok)
-        self.nic_s_per_copy = nic_bytes / (instance.cluster.scaleout_gbps * 1e9)
+        # a NIC's busier direction carries each copy's four transfers (placement.cost)
+        self.nic_s_per_copy = self.bytes_per_crossing / (instance.cluster.scaleout_gbps * 1e9)
         self.nvl_s_per_copy = nic_bytes / (instance.cluster.nvlink_gbps * 1e9)
         self._tokens: dict[tuple[int, int, int], Tokens] = {}
         self._scores: dict[tuple, tuple[ShapeScore, LayerPlacements]] = {}
