@@ -232,6 +232,7 @@ def test_calibrate_command_writes_a_performance_block(tmp_path, capsys):
         (lambda r: r["shape"].update(top_k=300), "rows[0] (b300_mxfp8_ep8_2606).shape.top_k"),
         (lambda r: r["shape"].update(num_experts=260), "rows[0] (b300_mxfp8_ep8_2606).shape.num_groups"),
         (lambda r: r["shape"].update(colour="red"), "rows[0] (b300_mxfp8_ep8_2606).shape"),
+        (lambda r: r.update(dispatch_precision="fp8"), "rows[0] (b300_mxfp8_ep8_2606).dispatch_precision"),
     ],
 )
 def test_calibrate_exits_2_naming_the_malformed_row_and_field(tmp_path, capsys, mutate, where):
@@ -244,6 +245,20 @@ def test_calibrate_exits_2_naming_the_malformed_row_and_field(tmp_path, capsys, 
         err = capsys.readouterr().err
         assert where in err and path in err and len(err.strip().splitlines()) == 1
         assert not out.exists()
+
+
+def test_hybridep_rows_dispatch_in_bf16_and_an_fp8_one_is_refused_citing_megatron_core(tmp_path, capsys):
+    # Megatron-Core 0.16.1 fused_a2a.py: hybrid_ep_dispatch asserts not fp8_dispatch.
+    hybridep = [r for r in ROWS if r.dispatcher == "hybridep"]
+    assert len(hybridep) >= 20 and all(r.dispatch_precision == "bf16" for r in hybridep)
+    rows = _raw_rows({"qwen3_30b_gb300_mxfp8_2608", "gb300_mxfp8_2608"})
+    rows[1]["dispatch_precision"] = "fp8"
+    assert main(["calibrate", _ladder_file(tmp_path, rows)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "rows[1] (qwen3_30b_gb300_mxfp8_2608).dispatch_precision" in err and "fused_a2a.py" in err
+    rows[1]["dispatcher"] = "deepep"  # DeepEP dispatches in FP8: accepted
+    read_ladder(_ladder_file(tmp_path, rows))
 
 
 def test_fit_refuses_more_than_three_shared_parameters(tmp_path, capsys):
