@@ -61,6 +61,8 @@ from placement.schema import Any_, Bool, Int, List, Num, Obj, Str, to_json_schem
 __all__ = [
     "LADDER_SPEC",
     "FITTABLE",
+    "FP8_RATIO_UNFITTED",
+    "HYBRIDEP_FP8_DISPATCH",
     "LadderRow",
     "RowResult",
     "Calibration",

@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from placement.compute import ComputeRates, attention_gemms, expert_gemms, head_gemms, mlp_gemms
+from placement.compute import ComputeRates, attention_gemms, expert_gemms, head_gemms, mlp_gemms, mlp_width
 from placement.perfdata import (
     CALIBRATED_GEMM_EFFICIENCY,
     DEEPSEEK_V3,
@@ -446,21 +446,22 @@ class StepTimeModel:
         attn_s = (
             rates.scaled_s((attention_flops_per_token(arch, h, par.seq_len) - core) * tokens_mb, attn_gemms)
             + rates.attention_core_s(core * tokens_mb, par.seq_len)
-            + rates.elementwise_s(tokens_mb, h, 1.0)
+            + rates.elementwise_s(tokens_mb, 2 * h, 1.0)
         )
         f = _ffn_factor(arch)
+        # Non-GEMM work by the widths of the tensors it touches (placement.compute.mlp_width).
         dense_layer_s = attn_s + rates.scaled_s(
             6.0 * h * arch.ffn_hidden_size * f * tokens_mb, mlp_gemms(arch, h, arch.ffn_hidden_size, tokens_mb, tp)
-        )
+        ) + rates.elementwise_s(tokens_mb, mlp_width(arch, arch.ffn_hidden_size) / tp, 1.0)
         moe_dense_s = attn_s + rates.scaled_s(
             6.0 * h * arch.shared_expert_ffn_hidden_size * f * tokens_mb,
             mlp_gemms(arch, h, arch.shared_expert_ffn_hidden_size, tokens_mb, tp),
-        )
+        ) + rates.elementwise_s(tokens_mb, mlp_width(arch, arch.shared_expert_ffn_hidden_size) / tp, 1.0)
         routed_layer_s = rates.scaled_s(
             6.0 * h * arch.moe_ffn_hidden_size * m.top_k * f * tokens_mb,
             expert_gemms(arch, h, tokens_mb, par.ep, m.num_experts, m.top_k),
             grouped=True,
-        ) + rates.elementwise_s(tokens_mb, h, float(m.top_k))
+        ) + rates.elementwise_s(tokens_mb, 2 * h + mlp_width(arch, arch.moe_ffn_hidden_size), float(m.top_k))
         head_s = rates.scaled_s(_head_flops_per_token(arch, h) * tokens_mb, head_gemms(arch, h, tokens_mb, tp))
 
         def layer_s(moe: bool) -> tuple[float, float]:
