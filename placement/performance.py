@@ -31,9 +31,9 @@ per GPU = tokens of a global batch / step time / GPUs.
 Time of one micro-batch on one GPU, layer ``l`` (forward = 1/3 of the FLOPs, backward 2/3):
 
 - compute ``c_l = attn_l + mlp_l`` (:mod:`placement.compute`: every GEMM at ``ceiling x peak x
-  s(M) s(N) s(K)``, the attention's score/value products at the BF16 peak, non-GEMM work at the
-  HBM bandwidth): ``attn_l`` = attention, dense MLP or shared expert, plus ``layer_overhead_s``;
-  ``mlp_l`` = the routed experts at the mean load (``E / ep`` grouped GEMMs of ``M = tokens x ep x
+  s(M) s(N) s(K)``, the attention's score/value products at ``ATTENTION_EFFICIENCY`` of the BF16
+  peak, non-GEMM work at the HBM bandwidth): ``attn_l`` = attention, dense MLP or shared expert,
+  plus ``layer_overhead_s``; ``mlp_l`` = the routed experts at the mean load (``E / ep`` grouped GEMMs of ``M = tokens x ep x
   top_k / E`` rows), times the busiest GPU's load of one micro-batch
   (:func:`per_microbatch_load` of ``Metrics.expert_load_max_over_mean_per_layer``, 1 with
   ``expert_load: balanced``), capped at ``capacity_factor`` when one is set (tokens over it are
