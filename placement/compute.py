@@ -24,23 +24,30 @@ The shapes, per GPU and micro-batch, with ``T = micro_batch x seq_len / (tp x cp
 - routed experts (expert-tensor-parallel 1): ``E / ep`` grouped GEMMs per GPU, each with ``M = T x
   ep x top_k / E`` rows at balanced load, ``N = (f - 1) moe_ffn``, ``K = h`` and back;
 - output layer: ``(T, vocab / tp, h)`` per head; MTP projection ``(T, h, 2h)``;
-- the attention's score and value products (Megatron's causal half): at the BF16 peak (the
-  attention kernel) times ``s(seq_len)^2``.
+- the attention's score and value products (Megatron's causal half): the fused attention kernel
+  at ``ATTENTION_EFFICIENCY`` of the BF16 peak (:mod:`placement.perfdata`: cuDNN's published rate on
+  B200, not the GEMM ceiling) times ``s(seq_len)^2``.
 
 FLOPs are Megatron-Core's count (:func:`placement.performance.layer_flops_per_token`); the shapes
 only set the rate (the FLOP-weighted harmonic mean of the GEMMs' rates).  Non-GEMM work (norms,
-activation, router, permutation, residuals) moves ``elementwise_bytes x T x h`` bytes of HBM per
-layer for the attention side and as much again per routed copy (``top_k`` of them), at the GPU
-kind's HBM bandwidth (``GpuKind.hbm_gbps``).
+activation, its FP8 quantization, router, permutation, residuals) moves ``elementwise_bytes`` bytes
+of HBM per element of the tensors it touches, at the GPU kind's HBM bandwidth (``GpuKind.hbm_gbps``):
+per token ``2 h`` for the attention side (the layer's input and output), :func:`mlp_width` ``/ tp``
+for a dense MLP or shared expert, and ``2 h + mlp_width(moe_ffn)`` per routed copy (``top_k`` of
+them: the permuted input and the expert's output, ``h`` wide, and the expert's intermediate tensors,
+``(f - 1) moe_ffn`` from the up/gate GEMM and ``moe_ffn`` from the activation, which the SwiGLU
+and the quantization before the down GEMM read and write).  An expert's intermediate is
+``3 moe_ffn`` wide for SwiGLU: 6,144 for DeepSeek-V3 (0.86 h), 4,608 for Qwen3-235B-A22B (1.13 h),
+2,304 for Qwen3-30B-A3B (1.13 h); pricing it by ``h`` alone under-charged the Qwen3 models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from placement.perfdata import GPU_KINDS, Architecture, Performance
+from placement.perfdata import ATTENTION_EFFICIENCY, GPU_KINDS, Architecture, Performance
 
-__all__ = ["Gemm", "shape_factor", "attention_gemms", "mlp_gemms", "expert_gemms", "head_gemms", "ComputeRates"]
+__all__ = ["Gemm", "shape_factor", "attention_gemms", "mlp_gemms", "expert_gemms", "mlp_width", "head_gemms", "ComputeRates"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,12 @@ def expert_gemms(arch: Architecture, h: int, tokens: float, ep: int, num_experts
     return [Gemm(rows, up, h, local), Gemm(rows, h, arch.moe_ffn_hidden_size, local)]
 
 
+def mlp_width(arch: Architecture, ffn: int) -> int:
+    """Elements per token of an MLP's intermediate tensors that its non-GEMM kernels read and write:
+    the up (and gate) projection's output, ``(f - 1) ffn``, and the activation's output, ``ffn``."""
+    return ((2 if arch.swiglu else 1) + 1) * ffn if ffn > 0 else 0
+
+
 def head_gemms(arch: Architecture, h: int, tokens: float, tp: int) -> list[Gemm]:
     """Output layer(s) (main head and each MTP head) and the MTP projections."""
     out = [Gemm(tokens, arch.vocab_size / tp, h, arch.mtp_num_layers + 1)]
@@ -123,7 +136,7 @@ class ComputeRates:
         low_precision = perf.precision != "bf16"
         share = perf.fp8_gemm_ratio if low_precision else 1.0
         self.gemm_flops_per_s = perf.peak_flops_per_s * perf.gemm_efficiency * share
-        self.bf16_flops_per_s = perf.bf16_peak_flops_per_s * perf.gemm_efficiency
+        self.attention_flops_per_s = perf.bf16_peak_flops_per_s * ATTENTION_EFFICIENCY
         self.half = perf.gemm_half_shape
         kind = GPU_KINDS.get(perf.gpu)
         self.hbm_bytes_per_s = (kind.hbm_gbps if kind else 8000.0) * 1e9
@@ -144,11 +157,11 @@ class ComputeRates:
         return self.gemm_s(gemms, grouped=grouped) * flops / total
 
     def attention_core_s(self, flops: float, seq_len: int) -> float:
-        """The score and value products at the BF16 peak times ``s(seq_len)^2``."""
+        """The score and value products at ``ATTENTION_EFFICIENCY`` of the BF16 peak times ``s(seq_len)^2``."""
         if flops <= 0:
             return 0.0
-        return flops / (self.bf16_flops_per_s * shape_factor(seq_len, self.half) ** 2)
+        return flops / (self.attention_flops_per_s * shape_factor(seq_len, self.half) ** 2)
 
-    def elementwise_s(self, tokens: float, h: int, copies: float) -> float:
-        """HBM seconds of the non-GEMM work of ``copies`` token copies of width ``h``."""
-        return self.perf.elementwise_bytes * tokens * h * copies / self.hbm_bytes_per_s
+    def elementwise_s(self, tokens: float, width: float, copies: float) -> float:
+        """HBM seconds of the non-GEMM work of ``copies`` token copies touching ``width`` elements each."""
+        return self.perf.elementwise_bytes * tokens * width * copies / self.hbm_bytes_per_s

@@ -60,6 +60,7 @@ __all__ = [
     "GEMM_HALF_SHAPE",
     "FP8_GEMM_RATIO",
     "ELEMENTWISE_BYTES",
+    "ATTENTION_EFFICIENCY",
     "LAYER_OVERHEAD_S",
     "GpuKind",
     "Dispatcher",
@@ -79,18 +80,27 @@ SCHEDULES: tuple[str, ...] = ("1f1b",)
 # default ``--fit``): per GPU kind a GEMM ceiling (GpuKind.gemm_efficiency: a large BF16 GEMM's
 # fraction of the BF16 peak, 4 digits; this default is GB300's) and, where identified, the FP8
 # ratio, and three shared values of the compute model (:mod:`placement.compute`).  tests/test_calibration.py re-fits and checks them.
-CALIBRATED_GEMM_EFFICIENCY = 0.9345
+CALIBRATED_GEMM_EFFICIENCY = 0.9466
 # Elements: a GEMM dimension of this size halves the rate.  The fit sits at its lower bound, one
 # 128-wide tensor-core tile: the ladder's shapes are all large enough that the non-GEMM HBM work
 # (ELEMENTWISE_BYTES) explains the small models' lower rate better than GEMM size does.
 GEMM_HALF_SHAPE = 128.0
 # An FP8 GEMM's share of the FP8 peak over a BF16 GEMM's of the BF16 peak: fitted per GPU kind that
 # has both BF16 and FP8 rows (GpuKind.fp8_gemm_ratio); this pooled median serves the others.
-FP8_GEMM_RATIO = 0.6083
-ELEMENTWISE_BYTES = 95.3202  # HBM bytes per token copy and hidden element per layer, forward + backward
+FP8_GEMM_RATIO = 0.6165
+# HBM bytes per element of the tensors a layer's non-GEMM work touches (placement.compute: layer
+# input and output, MLP intermediates), forward + backward.
+ELEMENTWISE_BYTES = 28.5082
 # Host launch gaps per layer and micro-batch (forward + backward), not paid by recipes that capture
 # the whole iteration in one CUDA graph.
-LAYER_OVERHEAD_S = 0.002606
+LAYER_OVERHEAD_S = 0.002568
+# The attention kernel's score and value products (Transformer Engine's fused attention, cuDNN) as a
+# share of the BF16 dense peak: stated, not fitted.  FlashAttention-4 (Together AI, "FlashAttention-4",
+# together.ai/blog/flashattention-4) reaches 1,605 TFLOP/s BF16 on B200, "up to 1.3x faster than
+# cuDNN 9.13": cuDNN at about 1,605 / 1.3 = 1,235 TFLOP/s, 0.55 of B200's 2,250 BF16 dense peak.
+# The attention kernel is limited by the softmax exponentials and shared-memory traffic, not by
+# the tensor cores, so it does not run at the GEMM ceiling.
+ATTENTION_EFFICIENCY = 0.55
 # Routed experts' grouped GEMMs over dense GEMMs of the same shape (1: the shape model prices them;
 # NVIDIA's MXFP8 grouped GEMM on GB200, 2,672 of 5,000 TFLOP/s at K=7168, N=2048, sits within the
 # shape model's band).
@@ -121,12 +131,12 @@ _BLACKWELL = {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0}
 _HGX_BLACKWELL = {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0}
 _HOPPER = {"bf16": 989.0, "fp8": 1979.0, "mxfp8": 1979.0, "nvfp4": 1979.0}
 GPU_KINDS: dict[str, GpuKind] = {
-    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132, 0.5585, 3350.0),
-    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132, 0.5585, 3350.0),  # H100's ceiling: the same chip
-    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148, 0.6584),
-    "b300": GpuKind("b300", {**_HGX_BLACKWELL, "nvfp4": 13500.0}, 8, 900.0, 100.0, 160, 0.7484),
-    "gb200": GpuKind("gb200", {**_BLACKWELL, "nvfp4": 10000.0}, 72, 900.0, 50.0, 148, 0.6514, fp8_gemm_ratio=0.6394),
-    "gb300": GpuKind("gb300", {**_BLACKWELL, "nvfp4": 15000.0}, 72, 900.0, 100.0, 160, 0.9345, fp8_gemm_ratio=0.5771),
+    "h100": GpuKind("h100", _HOPPER, 8, 450.0, 50.0, 132, 0.5313, 3350.0),
+    "h800": GpuKind("h800", _HOPPER, 8, 200.0, 50.0, 132, 0.5313, 3350.0),  # H100's ceiling: the same chip
+    "b200": GpuKind("b200", {**_HGX_BLACKWELL, "nvfp4": 9000.0}, 8, 900.0, 50.0, 148, 0.6592),
+    "b300": GpuKind("b300", {**_HGX_BLACKWELL, "nvfp4": 13500.0}, 8, 900.0, 100.0, 160, 0.7310),
+    "gb200": GpuKind("gb200", {**_BLACKWELL, "nvfp4": 10000.0}, 72, 900.0, 50.0, 148, 0.6455, fp8_gemm_ratio=0.6322),
+    "gb300": GpuKind("gb300", {**_BLACKWELL, "nvfp4": 15000.0}, 72, 900.0, 100.0, 160, 0.9466, fp8_gemm_ratio=0.6008),
 }
 
 

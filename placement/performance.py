@@ -31,9 +31,9 @@ per GPU = tokens of a global batch / step time / GPUs.
 Time of one micro-batch on one GPU, layer ``l`` (forward = 1/3 of the FLOPs, backward 2/3):
 
 - compute ``c_l = attn_l + mlp_l`` (:mod:`placement.compute`: every GEMM at ``ceiling x peak x
-  s(M) s(N) s(K)``, the attention's score/value products at the BF16 peak, non-GEMM work at the
-  HBM bandwidth): ``attn_l`` = attention, dense MLP or shared expert, plus ``layer_overhead_s``;
-  ``mlp_l`` = the routed experts at the mean load (``E / ep`` grouped GEMMs of ``M = tokens x ep x
+  s(M) s(N) s(K)``, the attention's score/value products at ``ATTENTION_EFFICIENCY`` of the BF16
+  peak, non-GEMM work at the HBM bandwidth): ``attn_l`` = attention, dense MLP or shared expert,
+  plus ``layer_overhead_s``; ``mlp_l`` = the routed experts at the mean load (``E / ep`` grouped GEMMs of ``M = tokens x ep x
   top_k / E`` rows), times the busiest GPU's load of one micro-batch
   (:func:`per_microbatch_load` of ``Metrics.expert_load_lasting_max_over_mean_per_layer``, the
   window's load with its sampling noise removed by :mod:`placement.imbalance`, or of the raw
@@ -89,7 +89,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from placement.compute import ComputeRates, Gemm, attention_gemms, expert_gemms, head_gemms, mlp_gemms
+from placement.compute import ComputeRates, Gemm, attention_gemms, expert_gemms, mlp_gemms, mlp_width
 from placement.pipeline_layout import legacy_chunks, p2p_bytes_per_boundary, stage_items
 from placement.perfdata import (
     CALIBRATED_GEMM_EFFICIENCY,
@@ -486,21 +486,22 @@ class StepTimeModel:
         attn_s = (
             rates.scaled_s((attention_flops_per_token(arch, h, par.seq_len) - core) * tokens_mb, attn_gemms)
             + rates.attention_core_s(core * tokens_mb, par.seq_len)
-            + rates.elementwise_s(tokens_mb, h, 1.0)
+            + rates.elementwise_s(tokens_mb, 2 * h, 1.0)
         )
         f = _ffn_factor(arch)
+        # Non-GEMM work by the widths of the tensors it touches (placement.compute.mlp_width).
         dense_layer_s = attn_s + rates.scaled_s(
             6.0 * h * arch.ffn_hidden_size * f * tokens_mb, mlp_gemms(arch, h, arch.ffn_hidden_size, tokens_mb, tp)
-        )
+        ) + rates.elementwise_s(tokens_mb, mlp_width(arch, arch.ffn_hidden_size) / tp, 1.0)
         moe_dense_s = attn_s + rates.scaled_s(
             6.0 * h * arch.shared_expert_ffn_hidden_size * f * tokens_mb,
             mlp_gemms(arch, h, arch.shared_expert_ffn_hidden_size, tokens_mb, tp),
-        )
+        ) + rates.elementwise_s(tokens_mb, mlp_width(arch, arch.shared_expert_ffn_hidden_size) / tp, 1.0)
         routed_layer_s = rates.scaled_s(
             6.0 * h * arch.moe_ffn_hidden_size * m.top_k * f * tokens_mb,
             expert_gemms(arch, h, tokens_mb, par.ep, m.num_experts, m.top_k),
             grouped=True,
-        ) + rates.elementwise_s(tokens_mb, h, float(m.top_k))
+        ) + rates.elementwise_s(tokens_mb, 2 * h + mlp_width(arch, arch.moe_ffn_hidden_size), float(m.top_k))
 
         def layer_s(moe: bool) -> tuple[float, float]:
             return (moe_dense_s, routed_layer_s) if moe else (dense_layer_s, 0.0)

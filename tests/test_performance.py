@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from placement.cost import evaluate, report
 from placement.formats import read_instance
 from placement.model import InvalidInputError
+from placement.perfdata import ATTENTION_EFFICIENCY
 from placement.performance import (
     DEEPSEEK_V3,
     GPU_KINDS,
@@ -215,8 +216,10 @@ def _hand_layer_s(perf, m, par, moe: bool, load: float) -> float:
     f = 3 if arch.swiglu else 2
     mlp_flops = 6 * h * ffn * f * tokens
     t = scaled((d - core) * tokens - mlp_flops, attn)
-    t += core * tokens / (perf.bf16_peak_flops_per_s * perf.gemm_efficiency * _s(par.seq_len, x0) ** 2)
-    t += perf.elementwise_bytes * tokens * h / hbm
+    t += core * tokens / (perf.bf16_peak_flops_per_s * ATTENTION_EFFICIENCY * _s(par.seq_len, x0) ** 2)
+    # Non-GEMM bytes per element of the tensors touched: the layer's input and output (2h) and the
+    # MLP's intermediates (up/gate output and activation: 3 ffn with SwiGLU, per tensor-parallel rank).
+    t += perf.elementwise_bytes * tokens * (2 * h + f * ffn / tp) / hbm
     if ffn:
         t += scaled(mlp_flops, [(tokens, (f - 1) * ffn / tp, h), (tokens, h, ffn / tp)])
     if moe:
@@ -225,7 +228,7 @@ def _hand_layer_s(perf, m, par, moe: bool, load: float) -> float:
         up = (f - 1) * arch.moe_ffn_hidden_size
         routed = scaled(r * tokens, [(rows, up, h, local), (rows, h, arch.moe_ffn_hidden_size, local)])
         routed /= perf.expert_gemm_efficiency
-        t += (routed + perf.elementwise_bytes * tokens * h * m.top_k / hbm) * load
+        t += (routed + perf.elementwise_bytes * tokens * (2 * h + f * arch.moe_ffn_hidden_size) * m.top_k / hbm) * load
     return t + perf.layer_overhead_s
 
 
