@@ -322,7 +322,12 @@ def build(spec: InstanceSpec) -> Instance:
         num_groups=spec.num_groups,
         groups_per_token=spec.groups_per_token,
         hidden_size=spec.hidden_size,
-        dispatch_bytes_per_token=dispatch_bytes_fp8(spec.hidden_size),
+        # HybridEP dispatches in BF16 (Megatron-Core's fused_a2a.py refuses FP8 there); DeepEP in FP8.
+        dispatch_bytes_per_token=(
+            combine_bytes_bf16(spec.hidden_size)
+            if spec.performance is not None and spec.performance.dispatcher == "hybridep"
+            else dispatch_bytes_fp8(spec.hidden_size)
+        ),
         combine_bytes_per_token=combine_bytes_bf16(spec.hidden_size),
         mtp_num_layers=spec.mtp_moe_layers,
     )

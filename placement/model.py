@@ -490,6 +490,20 @@ class Instance:
     performance: Performance | None = None  # the optional step-time block (placement.perfdata)
     apply: Apply | None = None  # how the expert maps are applied; None: not stated (DEFAULT_APPLY)
 
+    def __post_init__(self) -> None:
+        # HybridEP dispatches in BF16 only: megatron-core 0.16.1
+        # megatron/core/transformer/moe/fused_a2a.py, init_hybrid_ep_buffer asserts
+        # "HybridEP dispatcher does not support fp8 dispatch now" and HybridEPDispatch.forward sets
+        # fp8_dispatch = False.  An FP8-sized dispatch copy would price a precision the stack cannot run.
+        perf = self.performance
+        bf16 = combine_bytes_bf16(self.model.hidden_size)
+        if perf is not None and perf.dispatcher == "hybridep" and self.model.dispatch_bytes_per_token != bf16:
+            raise InvalidInputError(
+                f"model.dispatch_bytes_per_token: {self.model.dispatch_bytes_per_token} B is not HybridEP's BF16 "
+                f"dispatch ({bf16} B = 2 x hidden_size): Megatron-Core's HybridEP path cannot dispatch in FP8 "
+                "(megatron/core/transformer/moe/fused_a2a.py); use performance.dispatcher deepep for FP8 dispatch"
+            )
+
     @property
     def apply_mode(self) -> Apply:
         """:attr:`apply`, or :data:`DEFAULT_APPLY` when the instance does not state it."""

@@ -176,3 +176,30 @@ def test_no_returned_placement_breaks_its_dispatchers_rule(tiny, down, order):
         assert "consumer none" in str(exc)
     else:
         assert res.consumer == "deepep" and equal_slice_breaks(deepep, res.placement.rank2gpu) == []
+
+
+def test_hybridep_with_fp8_dispatch_bytes_is_refused_naming_the_field(tmp_path, capsys):
+    """Megatron-Core's HybridEP path cannot dispatch in FP8 (megatron-core 0.16.1
+    megatron/core/transformer/moe/fused_a2a.py): an instance that says hybridep with FP8-sized
+    dispatch copies is refused in one line (exit 2), and no output file is written."""
+    import json
+    import shutil
+
+    from placement.cli import main
+
+    src = INSTANCES
+    doc = json.loads((src / "tiny.json").read_text())
+    assert doc["performance"]["dispatcher"] == "hybridep"
+    doc["model"]["dispatch_bytes_per_token"] = doc["model"]["hidden_size"] + doc["model"]["hidden_size"] // 128 * 4
+    shutil.copy(src / "tiny.npz", tmp_path / "tiny.npz")
+    (tmp_path / "tiny.json").write_text(json.dumps(doc))
+    out = tmp_path / "out.json"
+    assert main(["solve", str(tmp_path / "tiny.json"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.dispatch_bytes_per_token" in err[0] and "fused_a2a.py" in err[0]
+    assert not out.exists()
+    doc["performance"]["dispatcher"] = "deepep"  # DeepEP dispatches FP8: accepted
+    (tmp_path / "tiny.json").write_text(json.dumps(doc))
+    from placement.formats import read_instance
+
+    assert read_instance(tmp_path / "tiny.json").model.dispatch_bytes_per_token == 264
