@@ -485,6 +485,7 @@ def row_instance(row: LadderRow, performance: Performance, *, sampled_pairs: int
         architecture=arch,
         vpp=row.vpp,
         overlap=row.overlap,
+        dispatcher=row.dispatcher,
         expert_load="balanced",
     )
     return Instance(

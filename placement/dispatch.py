@@ -18,8 +18,14 @@ Sources (read for this module):
 - DeepEP normal mode: deepseek-ai/DeepEP @dd758ca, ``csrc/legacy/buffer.hpp`` (``rdma_rank = rank /
   NUM_MAX_NVL_PEERS``, ``nvl_rank = rank % NUM_MAX_NVL_PEERS``, ``NUM_MAX_NVL_PEERS == 8``; a group
   of more than 8 ranks must be a multiple of 8) and ``csrc/kernels/legacy/internode.cu`` (the same
-  numbering in the kernels).  Its multi-node NVLink path was not verified: here a DeepEP group of
-  more than 8 ranks always runs nodes of (at most) 8 ranks, RDMA between them.
+  numbering in the kernels).  Its multi-node NVLink path was not verified in the source; NVIDIA's
+  GB200 write-up ("Optimizing DeepSeek-V3 Training Performance on NVIDIA GB200 NVL72",
+  NVIDIA/Megatron-LM docs, commit eb0783b) measured DeepEP at EP32 inside one NVL72 rack at about
+  400 GB/s dispatch, an NVLink figure that RDMA between nodes of 8 over the rack's NICs could not
+  reach.  So a DeepEP group inside one NVLink domain is one node (NVLink only), and a group over
+  several domains runs nodes of at most 8 ranks (one copy per remote 8-rank node; copies between
+  two such nodes of one rack are still priced on the NIC, an over-count that no fitted ladder row
+  and no committed instance exercises: their DeepEP groups sit in one rack or in 8-GPU hosts).
 
 Rules (``rule`` below):
 
@@ -27,8 +33,8 @@ Rules (``rule`` below):
   NVLink domain: the largest value the kernel can run (every node inside one domain).  A group with
   equal consecutive slices per domain gets ``n`` = its slice, so a node is the group's part of a
   domain; an 8/56 split gets ``n = 8`` (eight nodes, seven of them in one rack, RDMA between them).
-- ``deepep``: groups of at most 8 ranks inside one domain are one node (NVLink only); larger
-  groups run nodes of ``gcd(n_hybridep, 8)`` ranks.
+- ``deepep``: a group inside one domain is one node (NVLink only); a group over several domains
+  runs nodes of ``gcd(n_hybridep, 8)`` ranks.
 - ``pair`` (Megatron's ``alltoall`` dispatcher over NCCL, DeepEP low-latency): no node; a
   (token, expert) pair crosses the fabric when the expert's GPU is in another NVLink domain, so the
   label of an EP rank is its domain.
@@ -100,10 +106,8 @@ def node_size(domains: np.ndarray, rule: NodeRule) -> int:
     n = 0
     for r in runs:
         n = gcd(n, r)
-    if rule == "deepep":
-        ep = sum(runs)
-        if not (ep <= DEEPEP_MAX_NVL_PEERS and len(runs) == 1):
-            n = gcd(n, DEEPEP_MAX_NVL_PEERS)
+    if rule == "deepep" and len(set(np.asarray(domains).tolist())) > 1:
+        n = gcd(n, DEEPEP_MAX_NVL_PEERS)
     return n
 
 
@@ -128,7 +132,7 @@ def node_labels(group_domain: np.ndarray, rule: NodeRule) -> tuple[np.ndarray, n
     --------
     >>> lab, n = node_labels(np.array([[0, 0, 1, 1, 1, 1]]), "hybridep")
     >>> lab.tolist(), n.tolist()
-    ([[3, 3, 13, 13, 15, 15]], [2])
+    ([[2, 2, 9, 9, 10, 10]], [2])
     >>> node_labels(np.array([[2, 2, 1, 1]]), "hybridep")[0].tolist()
     [[2, 2, 1, 1]]
     """

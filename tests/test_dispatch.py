@@ -203,3 +203,19 @@ def test_hybridep_with_fp8_dispatch_bytes_is_refused_naming_the_field(tmp_path, 
     from placement.formats import read_instance
 
     assert read_instance(tmp_path / "tiny.json").model.dispatch_bytes_per_token == 264
+
+
+def test_doctests():
+    import doctest
+
+    import placement.dispatch
+
+    assert doctest.testmod(placement.dispatch).failed == 0
+
+
+def test_deepep_group_inside_one_rack_is_one_nvlink_node():
+    """NVIDIA's GB200 write-up measured DeepEP EP32 inside one NVL72 at NVLink bandwidth: one node;
+    over several racks DeepEP's internode kernels run nodes of NUM_MAX_NVL_PEERS = 8."""
+    assert node_size(np.array([5] * 32), "deepep") == 32
+    assert node_size(np.array([5] * 32 + [6] * 32), "deepep") == 8
+    assert node_size(np.array([5] * 4 + [6] * 4), "deepep") == 4
