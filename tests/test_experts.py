@@ -62,6 +62,27 @@ def _all_class_maps(capacity):
     yield from rec(tuple(range(E)), 0, np.empty(E, dtype=np.int64))
 
 
+def _all_group_preserving_maps(problem):
+    """Every expert -> class map in which some bijection of expert groups onto group positions gives
+    each group its position's class counts (the definition :func:`_group_preserving` checks), made
+    directly: per bijection, every arrangement of each group's experts over its position's classes.
+    (Filtering every class map instead grows as the multinomial of all experts over all classes,
+    hours once a straddling layout has one class per EP rank.)"""
+    gs, B = problem.expert_group_size, problem.num_group_positions
+    s2c = problem.slot2class
+    seen = set()
+    for perm in itertools.permutations(range(B)):
+        per_group = []
+        for p in range(B):
+            classes = sorted(s2c[perm[p] * gs:(perm[p] + 1) * gs].tolist())
+            per_group.append(sorted(set(itertools.permutations(classes))))
+        for choice in itertools.product(*per_group):
+            key = tuple(c for arrangement in choice for c in arrangement)
+            if key not in seen:
+                seen.add(key)
+                yield np.array(key, dtype=np.int64)
+
+
 def _group_preserving(problem, e2c):
     """Independent check: some bijection of expert groups onto group positions matches every group's class counts."""
     gs, B, C = problem.expert_group_size, problem.num_group_positions, problem.num_classes
@@ -173,7 +194,8 @@ def test_group_search_bound_is_valid_and_its_map_preserves_groups(seed):
     res = group_search(problem, problem.nets_all, cap, start, deterministic_time=0.0, seed=0,
                        stop=StopCheck(time.monotonic() + 60))
     assert res is not None
-    space = [m for m in _all_class_maps(problem.class_capacity) if _group_preserving(problem, m)]
+    space = list(_all_group_preserving_maps(problem))
+    assert space and all(_group_preserving(problem, m) for m in space)
     best = min(net_crossings(problem.nets_all, m, problem.class_sig, "per_domain") for m in space)
     assert res.bound <= best <= res.crossings
     assert _group_preserving(problem, res.best)
