@@ -65,6 +65,7 @@ __all__ = [
     "placement_document",
     "atomic_write_bytes",
     "atomic_write_text",
+    "fsync_dir",
     "json_schemas",
     "dumps",
     "MAX_INT",
@@ -485,11 +486,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (a crash right after must not bring the old file back)."""
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a crash right after must not bring the old file back)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from placement.checkpoint._entries import _doc_groups
 from placement.checkpoint._rules import BUCKET, SHARD, UNKNOWN_MSG, classify, resolve_layer
-from placement.formats import atomic_write_text
+from placement.formats import atomic_write_text, fsync_dir
 from placement.model import InvalidInputError
 from placement.permutation import PARAMETER_NAMES, check_permutation, read_expert_permutation
 
@@ -573,7 +573,7 @@ def _permute_file_body(spec: _Spec, rel: str) -> dict[str, Any]:
         fout.flush()
         os.fsync(fout.fileno())
     os.replace(part, tmp / rel)
-    _fsync_dir((tmp / rel).parent)  # the rename is on disk before the journal says the file is done
+    fsync_dir((tmp / rel).parent)  # the rename is on disk before the journal says the file is done
     result = {"file": rel, "items": records, "bytes_read": cache.bytes_read, "bytes_written": written}
     journal.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(journal, json.dumps(result))  # fsyncs the entry and its folder
@@ -595,20 +595,6 @@ def _copy_range(fin: Any, fout: Any, offset: int, length: int) -> None:
             raise InvalidInputError(f"{getattr(fin, 'name', 'a storage file')}: truncated (item at {offset}, {length} bytes)")
         fout.write(data)
         left -= len(data)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (the discipline of :func:`placement.formats.atomic_write_bytes`)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _run_task(task: tuple[_Spec, str]) -> dict[str, Any]:
