@@ -338,6 +338,11 @@ def _choose(search: _LayerSearch, candidates: dict[str, np.ndarray], table: dict
     return final_name, final, bound, proved
 
 
+#: Classes (NVLink domains, or the dispatcher's nodes) above which a layer's final lower bound is not
+#: computed (:func:`_final_bound`).
+FINAL_BOUND_MAX_CLASSES = 8
+
+
 def _final_bound(problem: LayerProblem, cap: np.ndarray, bound: int | None, crossings: int, default_ok: bool,
                  default_all: int, details: dict, stop: StopCheck | None = None) -> int | None:
     """The layer's bound: the search's, raised by the transport LP (``per_pair``) or by
@@ -348,7 +353,12 @@ def _final_bound(problem: LayerProblem, cap: np.ndarray, bound: int | None, cros
         details["transport_lp_bound_crossings"] = None if lp.bound is None else round(lp.bound, 6)
         if lp.bound is not None:
             bound = max(bound if bound is not None else 0, int(math.ceil(lp.bound - 1e-6)))
-    if problem.cost_mode == "per_domain" and not (stop is not None and stop()):  # a bound on every layer
+    if problem.num_classes > FINAL_BOUND_MAX_CLASSES:
+        # A layout that HybridEP runs with small nodes has one class per node: the relaxation's cost
+        # grows with the classes and is in no work budget, so it would eat the wall-clock time the
+        # later steps need (and their answer would then depend on the clock).  The bound is a report.
+        details["lower_bound"] = f"not computed: {problem.num_classes} classes > {FINAL_BOUND_MAX_CLASSES}"
+    elif problem.cost_mode == "per_domain" and not (stop is not None and stop()):  # a bound on every layer
         # Where the search proved a bound (its group search refines the same relaxation), no refinements.
         lb = layer_lower_bound(problem, problem.nets_all, cap, stop=stop,
                                refine_net_budget=0 if bound is not None else REFINE_NET_BUDGET)
