@@ -147,6 +147,10 @@ def equal_slice_footprints(instance: Instance, *, moe_only: bool = False,
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = EQUAL_SLICES_DET_LIMIT
+    # The caller owns SIGINT (placement.api.SignalStop): CP-SAT's own handler, installed by default,
+    # left SIGINT at its default action after the solve, so a later Ctrl-C killed the process instead
+    # of asking for the best placement found so far (tests/test_interrupt.py).
+    solver.parameters.catch_sigint_signal = False
     if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return [{d: v * int(solver.value(x)) for v, xs in rows for d, x in enumerate(xs) if solver.value(x)}
