@@ -39,7 +39,9 @@ def _default_step_s(inst: Instance) -> float:
 
 
 def _with_performance(inst: Instance, tiny: Instance) -> Instance:
-    return dataclasses.replace(inst, performance=tiny.performance)
+    # tiny's block says hybridep, which dispatches in BF16 (placement.model.Instance refuses FP8 bytes there)
+    model = dataclasses.replace(inst.model, dispatch_bytes_per_token=2 * inst.model.hidden_size)
+    return dataclasses.replace(inst, model=model, performance=tiny.performance)
 
 
 def _plan(inst: Instance, **kw):
