@@ -90,8 +90,31 @@ def _committed_instances() -> list[str]:
                   if "kind" not in json.loads(p.read_text(encoding="utf-8")))
 
 
+def _compute_bound(instance: Instance, result: "placement.SolveResult") -> dict[str, float]:
+    """Held-out compute-bound TFLOP/s per GPU at each setting: the step with its communication removed.
+
+    The same step-time model's ``compute_bound_step_time_s`` (slowest stage's compute, expert load
+    included, with the pipeline bubble), so the limit moves with the placement's expert balance and
+    pipeline split but not with its bytes.
+    """
+    from placement.cost import evaluate, setting_step_models
+    from placement.pipeline_layout import with_layout
+
+    if instance.performance is None or instance.routing.heldout_topk is None:
+        return {}
+    pl = result.placement
+    inst = with_layout(instance, pl.pipeline_layout) if pl.pipeline_layout else instance
+    held = evaluate(inst, pl, window="heldout")
+    out = {}
+    for setting, model in setting_step_models(inst).items():
+        pred = model.predict_metrics(held, pl.rank2gpu)
+        out[f"heldout_compute_bound_tflops_per_gpu_{setting}"] = float(
+            pred.tflops_per_gpu * pred.step_time_s / pred.compute_bound_step_time_s)
+    return out
+
+
 def _run_solver(instance: Instance, name: str, time_limit_s: float, seed: int, workers: int, *,
-                label: str | None = None, apply: str | None = None) -> dict:
+                label: str | None = None, apply: str | None = None, pipeline_split: bool = True) -> dict:
     """One row: solve, check, score.  A solver that cannot run gives a row with ``skipped`` set.
 
     ``label`` names a variant row (ours with ``apply`` forced); the plain row of ours (its default
@@ -107,7 +130,7 @@ def _run_solver(instance: Instance, name: str, time_limit_s: float, seed: int, w
     t0 = time.monotonic()
     try:
         result = placement.solve(instance, solver=name, time_limit_s=time_limit_s, seed=seed, num_workers=workers,
-                                 apply=apply if name == OURS else None, started_at=t0)
+                                 apply=apply if name == OURS else None, started_at=t0, pipeline_split=pipeline_split)
     except PlacementError as exc:
         row["skipped"] = f"{type(exc).__name__}: {exc}"
         return row
@@ -116,6 +139,11 @@ def _run_solver(instance: Instance, name: str, time_limit_s: float, seed: int, w
     metrics = result.metrics  # the evaluator's report on both windows, after solve()'s own check
     keys = [k for base in _SCALARS for k in (base, "heldout_" + base)]
     row["metrics"] = {k: metrics[k] for k in keys if k in metrics}
+    row["metrics"].update(_compute_bound(instance, result))
+    row["metrics"]["heldout_small_node_ep_groups"] = metrics.get("heldout_small_node_ep_groups", 0)
+    from placement.pipeline_layout import instance_chunks, render_layout
+
+    row["pipeline_layout"] = render_layout(result.placement.pipeline_layout or instance_chunks(instance))
     row.update(
         status=result.status,
         objective_bytes=result.objective_bytes,
@@ -197,12 +225,15 @@ def tflops_check(rows: list[dict]) -> dict:
 
 
 def run_instance(instance: Instance, *, peers: Sequence[str], time_limit_s: float, peer_time_limit_s: float,
-                 seed: int, workers: int, ours_checkpoint: bool = False, progress=None) -> dict:
+                 seed: int, workers: int, ours_checkpoint: bool = False, progress=None,
+                 pipeline_split: bool = True) -> dict:
     """Every peer and ours on one instance; rows, ratios to the best peer, bound, target checks.
 
     Ours runs in its default mode (``apply`` runtime: free maps, the freedom ``eplb`` and ``kahypar``
     take).  With ``ours_checkpoint`` (and a group-limited model) ours also runs with ``apply``
     ``checkpoint`` (group-preserving maps), as an extra row: what the checkpoint-permutation rule costs.
+    ``pipeline_split`` False keeps the instance's pipeline layout (its recipe's) for every row;
+    True lets each solve choose its split (:func:`placement.solve`'s ``pipeline_split``).
     """
     runs: list[tuple[str, float, str | None, str | None]] = [(n, peer_time_limit_s, None, None) for n in peers]
     runs.append((OURS, time_limit_s, None, None))
@@ -213,7 +244,8 @@ def run_instance(instance: Instance, *, peers: Sequence[str], time_limit_s: floa
         shown = label or name
         if progress:
             progress(f"{instance.name}: {shown} ...")
-        row = _run_solver(instance, name, limit, seed, workers, label=label, apply=apply)
+        row = _run_solver(instance, name, limit, seed, workers, label=label, apply=apply,
+                          pipeline_split=pipeline_split)
         if progress:
             if "skipped" in row:
                 progress(f"{instance.name}: {shown} skipped ({row['skipped']})")
@@ -269,6 +301,13 @@ def _band(m: dict) -> str:
     return " / ".join(_tflops(m[f"heldout_predicted_tflops_per_gpu_{s}"]) for s in SETTINGS)
 
 
+def _limit(m: dict) -> str:
+    """Held-out compute-bound TFLOP/s per GPU (no communication) at the low, mid and high settings."""
+    if f"heldout_compute_bound_tflops_per_gpu_{SETTINGS[0]}" not in m:
+        return "n/a"
+    return " / ".join(_tflops(m[f"heldout_compute_bound_tflops_per_gpu_{s}"]) for s in SETTINGS)
+
+
 def _gap(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
@@ -278,28 +317,29 @@ def markdown_table(result: dict) -> str:
     head = (
         "| solver | cross-domain bytes/step, sampled | held-out | ratio to best peer (held-out) "
         "| busiest NIC bytes/step (held-out) | expert load max/mean (held-out) | wall s | group-preserving "
-        "| predicted TFLOP/s per GPU (held-out), low / mid / high |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
+        "| predicted TFLOP/s per GPU (held-out), low / mid / high | compute-bound limit, low / mid / high "
+        "| small HybridEP nodes (EP groups) |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"
     )
     lines = [f"**{result['instance']}** ({result['cost_mode']})", "", head]
     for r in result["rows"]:
         name = r["label"] + (f" ({r['time_limit_s']:g} s limit)" if r["solver"] == OURS else "")
         if "metrics" not in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | | | | | |")
             continue
         m = r["metrics"]
         lines.append(
             f"| {name} | {_bytes(m['cross_domain_bytes_per_step'])} | {_bytes(m['heldout_cross_domain_bytes_per_step'])} "
             f"| {r.get('ratio_to_best_peer', float('nan')):.3f} | {_bytes(m['heldout_max_gpu_cross_domain_bytes_per_step'])} "
             f"| {m['heldout_expert_load_max_over_mean']:.3f} | {r['wall_s']:.1f} | {'yes' if r['group_preserving'] else 'no'} "
-            f"| {_band(m)} |"
+            f"| {_band(m)} | {_limit(m)} | {m.get('heldout_small_node_ep_groups', 0)} |"
         )
     bound = result["bound"]
     if bound is None or (bound["partial"] and bound["bytes"] == 0):
-        lines.append("| lower bound | n/a | | | | | | | |")
+        lines.append("| lower bound | n/a | | | | | | | | | |")
     else:
         what = "ours, its search space" + (", layers without one count 0" if bound["partial"] else "")
-        lines.append(f"| lower bound ({what}) | {_bytes(bound['bytes'])} | | | | | | | |")
+        lines.append(f"| lower bound ({what}) | {_bytes(bound['bytes'])} | | | | | | | | | |")
     t = result["target"]
     if t.get("met") is None:
         lines.append(f"\ntarget: not checked ({t.get('note')}); best peer on held-out tokens: {t['best_peer']}")
@@ -333,6 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ours-checkpoint", action="store_true",
                         help="also run ours with --apply checkpoint (group-preserving maps; group-limited models), as "
                              "an extra row")
+    parser.add_argument("--keep-pipeline-layout", action="store_true",
+                        help="keep each instance's pipeline layout (its recipe's) for every row instead of letting each "
+                             "solve choose its split")
     args = parser.parse_args(argv)
     peers = tuple(p for p in args.peers.split(",") if p)
     unknown = [p for p in peers if p not in PEERS]
@@ -355,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return getattr(exc, "exit_code", 1)
         res = run_instance(instance, peers=peers, time_limit_s=args.time_limit,
                            peer_time_limit_s=args.peer_time_limit, seed=args.seed, workers=workers,
-                           ours_checkpoint=args.ours_checkpoint, progress=progress)
+                           ours_checkpoint=args.ours_checkpoint, progress=progress,
+                           pipeline_split=not args.keep_pipeline_layout)
         results.append(res)
         print(markdown_table(res) + "\n", flush=True)
     cores = default_workers()

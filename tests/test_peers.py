@@ -390,8 +390,25 @@ def test_benchmark_runs_on_tiny_and_writes_json(tmp_path, capsys):
     for name in ("default", "packed", "eplb"):
         assert rows[name]["ratio_to_best_peer"] >= 1.0 - 1e-12
         assert rows[name]["metrics"]["heldout_cross_domain_bytes_per_step"] > 0
+    for r in rows.values():  # the limit removes communication only: never below the step it bounds
+        m = r["metrics"]
+        for setting in bench.SETTINGS:
+            limit = m[f"heldout_compute_bound_tflops_per_gpu_{setting}"]
+            assert limit >= m[f"heldout_predicted_tflops_per_gpu_{setting}"] * (1 - 1e-12)
+            assert np.isfinite(limit)
+        assert r["pipeline_layout"].count("|") + r["pipeline_layout"].count(",") >= 1
     table = capsys.readouterr().out
     assert "| packed |" in table and "lower bound" in table
+
+    # --keep-pipeline-layout keeps the instance's own layout on every row
+    assert bench.main(["--instances", "tiny", "--peers", "default", "--time-limit", "5", "--workers", "1",
+                       "--keep-pipeline-layout", "--json", str(out)]) == 0
+    from placement.formats import read_instance
+    from placement.pipeline_layout import instance_chunks, render_layout
+    from tests.conftest import ROOT
+
+    kept = render_layout(instance_chunks(read_instance(ROOT / "instances" / "tiny.json")))
+    assert {r["pipeline_layout"] for r in json.loads(out.read_text())["instances"][0]["rows"]} == {kept}
 
 
 def test_target_check_against_hand_made_rows():
