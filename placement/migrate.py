@@ -134,20 +134,32 @@ class MigrationReport:
 # ---------------------------------------------------------------------------------------------
 def plan_moves(old: Sequence[int] | np.ndarray, new: Sequence[int] | np.ndarray, ep: int) -> list[tuple[int, int]]:
     """``[(src_slot, dst_slot), ...]`` for one layer: new slot ``dst`` takes the logical expert that
-    old slot ``src`` holds (``new[dst] == old[src]``), for every slot whose expert changes slot.
+    old slot ``src`` holds (``new[dst] == old[src]``), for every slot whose expert changes.
 
-    old, new : (E,) phy2log before and after; ep : EP ranks (slot ``p`` is on rank ``p // (E / ep)``).
+    old, new : (P,) phy2log before and after, each holding every logical expert ``0 .. E-1`` at
+        least once (``P = E``: a permutation; ``P > E``: replicas, :mod:`placement.replica_runtime`);
+    ep : EP ranks (slot ``p`` is on rank ``p // (P / ep)``).
+
+    With replicas an expert has several old slots: the source is one on the destination's EP rank
+    when there is one (a local copy), else the lowest.  Every replica of an expert holds the same
+    weights and optimizer state (the replica gradient sum), so any one is the expert's state, and a
+    dropped replica's state is the state its expert keeps in its other slots.
     Sorted by ``dst``; the order every rank posts its transfers in.
     """
-    old_a, new_a = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+    old_a, new_a = np.asarray(old, dtype=np.int64).reshape(-1), np.asarray(new, dtype=np.int64).reshape(-1)
     n = old_a.shape[0]
-    if new_a.shape != (n,) or sorted(old_a.tolist()) != list(range(n)) or sorted(new_a.tolist()) != list(range(n)):
-        raise InvalidInputError(f"phy2log: expected two permutations of 0..{n - 1}")
+    experts = set(old_a.tolist())
+    if new_a.shape != (n,) or experts != set(range(len(experts))) or set(new_a.tolist()) != experts:
+        raise InvalidInputError(f"phy2log: expected two maps of {n} slots, each holding every expert 0..E-1")
     if ep <= 0 or n % ep:
         raise InvalidInputError(f"ep: {n} experts do not split over {ep} EP ranks")
-    log2phy_old = np.empty(n, dtype=np.int64)
-    log2phy_old[old_a] = np.arange(n)
-    return [(int(log2phy_old[new_a[p]]), p) for p in range(n) if int(log2phy_old[new_a[p]]) != p]
+    per_rank = n // ep
+    moves = []
+    for p in np.flatnonzero(old_a != new_a):
+        holders = np.flatnonzero(old_a == new_a[p])
+        local = holders[holders // per_rank == p // per_rank]
+        moves.append((int(local[0] if len(local) else holders[0]), int(p)))
+    return moves
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,6 +409,9 @@ def _slot_fields(stack: str, params: list[tuple[str, Any, int | None]], states: 
 def _as_maps(new_placement: Any) -> dict[int, np.ndarray]:
     if isinstance(new_placement, Mapping) and new_placement.get("kind") == MAP_KIND:
         return maps_from_state(new_placement)
+    if isinstance(new_placement, Mapping) and new_placement and all(
+            isinstance(k, (int, np.integer)) for k in new_placement):  # {layer: phy2log}, checked by plan_moves
+        return {int(k): np.asarray(v, dtype=np.int64).reshape(-1) for k, v in sorted(new_placement.items())}
     from placement.runtime import expert_map
 
     return {layer: np.asarray(m.phy2log, dtype=np.int64) for layer, m in expert_map(new_placement).items()}
