@@ -12,6 +12,11 @@ map per MoE layer.  Every logical expert whose slot changes takes its whole trai
   keeps for the parameter); scalar state (Adam's ``step``) is the same for every expert and is
   checked to be equal on every rank, not sent.
 
+The maps may hold replicas (more slots than experts; :mod:`placement.replica_runtime`, whose
+``InstalledReplicas.replan`` calls this with itself as the live map): a created or moved replica
+takes its expert's state from one slot that holds it (:func:`plan_moves`), a dropped one is
+overwritten (its replicas hold the same state).
+
 Protocol, every rank of the job (``state_group``, default the world): weights move within each
 expert-parallel group (expert-data-parallel replicas hold the same experts and move them the same
 way), but all ranks agree, so the replicas switch together or not at all:
