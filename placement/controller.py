@@ -369,28 +369,26 @@ class ReplicaController:
         self.installed, self.optimizer, self.rule = installed, optimizer, rule
         self.every_steps, self.window_steps = int(every_steps), int(window_steps)
         self.group, self.ep_group, self.state_group, self.rank2domain = group, ep_group, state_group, rank2domain
-        self._window: deque[dict[int, np.ndarray]] = deque(maxlen=self.window_steps)
+        self._window: deque[dict[int, Any]] = deque(maxlen=self.window_steps)  # per step {layer: (E,) device tensor}
         self.history: list[dict[str, Any]] = []
 
     def recent_loads(self) -> dict[int, np.ndarray]:
-        """``{layer: (E,) tokens per logical expert}`` over the window, summed over ``group``."""
+        """``{layer: (E,) tokens per logical expert}`` over the window, summed over ``group`` (on the
+        counters' device, as NCCL needs; the one host copy of the re-plan)."""
+        import torch
+        import torch.distributed as dist
+
         layers = sorted({layer for counts in self._window for layer in counts})
         if not layers:
             return {}
-        width = self.installed.num_experts
-        local = np.zeros((len(layers), width), dtype=np.int64)
-        for counts in self._window:
-            for i, layer in enumerate(layers):
-                if layer in counts:
-                    local[i] += counts[layer]
-        import torch.distributed as dist
-
+        rows = []
+        for layer in layers:
+            parts = [counts[layer] for counts in self._window if layer in counts]
+            rows.append(torch.stack(parts).sum(0))
+        total = torch.stack(rows)
         if dist.is_available() and dist.is_initialized():
-            import torch
-
-            t = torch.from_numpy(local)
-            dist.all_reduce(t, group=self.group)
-            local = t.numpy()
+            dist.all_reduce(total, group=self.group)
+        local = total.cpu().numpy().astype(np.int64)
         return {layer: local[i].copy() for i, layer in enumerate(layers)}
 
     def after_step(self, step: int) -> dict[str, Any] | None:
@@ -399,7 +397,7 @@ class ReplicaController:
         report) at a re-plan step, else None."""
         from placement.migrate import MigrationError
 
-        self._window.append(self.installed.take_counts())
+        self._window.append(self.installed.take_counts(on_device=True))  # no host synchronisation per step
         if (step + 1) % self.every_steps:
             return None
         loads = self.recent_loads()

@@ -202,15 +202,17 @@ class InstalledReplicas:
         maps = replica_maps({k: v for k, v in layers.items() if int(k) in self._layers}, self.num_experts)
         return migrate(self._model, optimizer, maps, live_map=self, group=group, state_group=state_group)
 
-    def take_counts(self) -> dict[int, np.ndarray]:
+    def take_counts(self, *, on_device: bool = False) -> dict[int, Any]:
         """``{layer: (E,) tokens this rank routed to each logical expert}`` since the last call
-        (every micro-batch's forward adds to it), and reset to zero."""
-        out: dict[int, np.ndarray] = {}
+        (every micro-batch's forward adds to it), and reset to zero.  numpy int64 arrays, or with
+        ``on_device`` copies of the device tensors (no host synchronisation: what a per-step caller
+        such as :class:`placement.controller.ReplicaController` keeps)."""
+        out: dict[int, Any] = {}
         for layer in self.layers:
             seen = self._seen.get(layer)
             if seen is None:
                 continue
-            out[layer] = seen.detach().cpu().numpy().astype(np.int64)
+            out[layer] = seen.detach().clone() if on_device else seen.detach().cpu().numpy().astype(np.int64)
             seen.zero_()
         return out
 

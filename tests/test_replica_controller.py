@@ -127,3 +127,27 @@ def test_bad_settings_are_refused_naming_the_field(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(InvalidInputError, match=name):
         ReplicaController(_Replicas(), None, **kwargs)
+
+
+def test_the_route_hook_counts_logical_tokens_and_splits_them_by_arrival():
+    from placement.replica_runtime import _wrap_route
+
+    class _Layer:
+        def route(self, _x):
+            # 3 tokens, 4 logical experts: token 0 -> {0, 1}, token 1 -> {0, 2}, token 2 -> {0, 1}
+            rmap = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+            return rmap.float() * 0.5, rmap
+
+    p2l = np.array([0, 1, 2, 3, 0])  # expert 0 in slots 0 and 4
+    cnt, table_t = _slot_table(torch, p2l, 4, torch.device("cpu"))
+    seen = torch.zeros(4, dtype=torch.long)
+    layer = _Layer()
+    _wrap_route(layer, cnt, table_t, 5, seen)
+    probs, rmap = layer.route(None)
+    assert seen.tolist() == [3, 2, 1, 0]
+    # expert 0's tokens in index order go to slots 0, 4, 0
+    assert rmap.int().tolist() == [[1, 1, 0, 0, 0], [0, 0, 1, 0, 1], [1, 1, 0, 0, 0]]
+    installed = InstalledReplicas("Megatron", 4)
+    installed._layers[0] = (p2l, 0, [[]] * 5)
+    installed._seen[0] = seen
+    assert installed.take_counts()[0].tolist() == [3, 2, 1, 0] and seen.tolist() == [0, 0, 0, 0]
