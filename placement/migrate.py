@@ -423,21 +423,26 @@ def _as_maps(new_placement: Any) -> dict[int, np.ndarray]:
 
 
 def map_state(maps: Mapping[int, Sequence[int] | np.ndarray] | Any) -> dict[str, Any]:
-    """The checkpoint entry of the live map: ``{"kind", "version", "layers": {layer: phy2log}}``.
+    """The checkpoint entry of the live map: ``{"kind", "version", "layers": {layer: phy2log}}``,
+    plus ``"num_experts": E`` when the maps hold replicas (more slots than experts).
 
-    ``maps``: ``{layer: phy2log}`` or the live map (:class:`placement.runtime.InstalledMap`: the
-    layers this process holds).  Put it in the state dict the job saves
-    (e.g. ``state["expert_map"] = map_state(live)``) or write it beside the checkpoint with
-    :func:`save_map`.
+    ``maps``: ``{layer: phy2log}`` or the live map (:class:`placement.runtime.InstalledMap` or
+    :class:`placement.replica_runtime.InstalledReplicas`: the layers this process holds).  Put it in
+    the state dict the job saves (e.g. ``state["expert_map"] = map_state(live)``) or write it beside
+    the checkpoint with :func:`save_map`.
     """
     if not isinstance(maps, Mapping):
         maps = {int(layer): maps.phy2log(layer) for layer in _live_layers(maps)}
-    return {"kind": MAP_KIND, "version": MAP_VERSION,
-            "layers": {str(int(k)): [int(x) for x in np.asarray(v).tolist()] for k, v in sorted(maps.items())}}
+    rows = {str(int(k)): [int(x) for x in np.asarray(v).tolist()] for k, v in sorted(maps.items())}
+    out: dict[str, Any] = {"kind": MAP_KIND, "version": MAP_VERSION, "layers": rows}
+    if any(len(set(row)) < len(row) for row in rows.values()):
+        out["num_experts"] = 1 + max(max(row) for row in rows.values())
+    return out
 
 
 def maps_from_state(state: Mapping[str, Any], where: str = "expert_map") -> dict[int, np.ndarray]:
-    """``{layer: phy2log}`` from :func:`map_state`'s entry (checked: kind, version, permutations)."""
+    """``{layer: phy2log}`` from :func:`map_state`'s entry (checked: kind, version, and every row a
+    permutation, or with ``num_experts`` every expert ``0 .. E-1`` at least once and no other id)."""
     if not isinstance(state, Mapping) or state.get("kind") != MAP_KIND:
         raise InvalidInputError(f"{where}: kind: expected {MAP_KIND!r}")
     if state.get("version") != MAP_VERSION:
@@ -445,10 +450,20 @@ def maps_from_state(state: Mapping[str, Any], where: str = "expert_map") -> dict
     layers = state.get("layers")
     if not isinstance(layers, Mapping) or not layers:
         raise InvalidInputError(f"{where}: layers: expected a non-empty object of layer -> phy2log")
+    num_experts = state.get("num_experts")
+    if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)
+                                    or num_experts < 1):
+        raise InvalidInputError(f"{where}: num_experts: expected a positive integer, found {num_experts!r}")
     out: dict[int, np.ndarray] = {}
     for key, perm in layers.items():
-        if not str(key).isdigit() or not isinstance(perm, list) or sorted(perm) != list(range(len(perm))):
+        if not str(key).isdigit() or not isinstance(perm, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in perm):
+            raise InvalidInputError(f"{where}: layers.{key}: expected a list of expert ids under a layer index")
+        if num_experts is None and sorted(perm) != list(range(len(perm))):
             raise InvalidInputError(f"{where}: layers.{key}: expected a permutation of 0..E-1 under a layer index")
+        if num_experts is not None and set(perm) != set(range(num_experts)):
+            raise InvalidInputError(f"{where}: layers.{key}: expected every expert 0..{num_experts - 1} at least once "
+                                    "and no other id (num_experts)")
         out[int(key)] = np.asarray(perm, dtype=np.int64)
     return dict(sorted(out.items()))
 

@@ -103,6 +103,22 @@ def test_the_map_entry_round_trips_and_rejects_bad_files(tmp_path):
         load_map(tmp_path / "v2.json")
 
 
+def test_a_replica_map_entry_round_trips_with_its_expert_count(tmp_path):
+    maps = {0: [0, 1, 5, 2, 3, 0, 4, 5, 1, 6, 7, 4], 1: list(range(8)) + [0, 1, 2, 3]}
+    state = map_state(maps)
+    assert state["num_experts"] == 8 and "num_experts" not in map_state({0: [1, 0]})
+    save_map(tmp_path / "rep.json", maps)
+    assert {k: v.tolist() for k, v in load_map(tmp_path / "rep.json").items()} == maps
+    with pytest.raises(InvalidInputError, match=r"layers.0: expected every expert 0..7"):  # expert 7 lost
+        maps_from_state(dict(state, layers={"0": [0, 1, 5, 2, 3, 0, 4, 5, 1, 6, 6, 4]}))
+    with pytest.raises(InvalidInputError, match=r"layers.0: expected every expert 0..7"):  # an id >= E
+        maps_from_state(dict(state, layers={"0": list(range(8)) + [8, 0, 0, 0]}))
+    with pytest.raises(InvalidInputError, match=r"expert_map: num_experts: expected a positive integer"):
+        maps_from_state(dict(state, num_experts="8"))
+    with pytest.raises(InvalidInputError, match=r"layers.0: expected a list of expert ids"):
+        maps_from_state(dict(state, layers={"0": [0.5, 1]}))
+
+
 def test_unsupported_optimizers_are_refused_in_one_line():
     torch = pytest.importorskip("torch")
     from placement.migrate import _optimizer_states
