@@ -199,6 +199,8 @@ class InstalledReplicas:
         if self._model is None:
             raise InvalidInputError("replan: this InstalledReplicas has no model (install it with "
                                     "install_megatron_replicas / install_torchtitan_replicas)")
+        if group is None and self.stack != "Megatron":
+            raise InvalidInputError("group: a TorchTitan re-plan needs the EP process group (mesh['ep'].get_group())")
         maps = replica_maps({k: v for k, v in layers.items() if int(k) in self._layers}, self.num_experts)
         return migrate(self._model, optimizer, maps, live_map=self, group=group, state_group=state_group)
 

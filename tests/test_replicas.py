@@ -343,6 +343,9 @@ def test_replica_map_update_checks_every_map_before_writing_and_replan_needs_a_m
     assert cnt.tolist() == [2, 2, 1, 1] and table_t.tolist() == [[1, 0, 3, 2], [5, 4, 3, 2], [1, 0, 3, 2]]
     with pytest.raises(InvalidInputError, match="^replan: this InstalledReplicas has no model"):
         installed.replan({0: [0, 1, 3, 2, 3, 0]}, None)
+    installed._model = object()
+    with pytest.raises(InvalidInputError, match="^group: a TorchTitan re-plan needs the EP process group"):
+        installed.replan({0: [0, 1, 3, 2, 3, 0]}, None)
 
 
 def test_maps_from_recent_loads_keep_the_permutation_and_follow_the_new_hot_expert():
