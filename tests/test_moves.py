@@ -141,6 +141,23 @@ def test_a_free_previous_map_keeps_its_slots_in_a_group_preserving_problem(tiny)
     assert np.array_equal(keep_previous_slots(problem, e2c, slots), slots)
 
 
+def test_a_free_previous_map_re_placed_with_free_moves_gains_and_is_deterministic(tiny):
+    """Re-placing from a free previous map on tiny's small-node default layout with free moves (the
+    searches start at its nearest group-preserving map): a valid placement, no more sampled
+    cross-domain bytes than the previous one, the same bytes twice."""
+    from placement.cost import evaluate
+
+    prev = default_placement(tiny)
+    swapped = prev.phy2log.copy()
+    swapped[:, [0, -1]] = swapped[:, [-1, 0]]
+    previous = Placement(prev.rank2gpu, swapped)
+    runs = [placement.solve(tiny, time_limit_s=10, num_workers=1, previous=previous, move_cost=0.0) for _ in range(2)]
+    assert np.array_equal(runs[0].placement.phy2log, runs[1].placement.phy2log)
+    assert np.array_equal(runs[0].placement.rank2gpu, prev.rank2gpu)
+    assert (evaluate(tiny.for_solver(), runs[0].placement).cross_domain_bytes_per_step
+            <= evaluate(tiny.for_solver(), previous).cross_domain_bytes_per_step)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.booleans())
 def test_the_group_preserving_start_is_the_cheapest_group_preserving_map_by_brute_force(tiny, seed, free):
