@@ -477,7 +477,8 @@ def _replica_fields(instance: Instance, placement: Placement, replicas: ReplicaM
         "replica_grad_time_s_per_stage": replica_grad_time_s_per_stage(instance, replicas, placement.rank2gpu, params),
         "replica_grad_nvlink_bytes_per_step": nvl,
         "replica_grad_nic_bytes_per_step": nic,
-        "replica_memory_bytes_per_gpu": replica_memory_bytes_per_gpu(instance, replicas, params),
+        # 0 when the expert size is unknown (no performance block): JSON has no NaN
+        "replica_memory_bytes_per_gpu": replica_memory_bytes_per_gpu(instance, replicas, params) if params else 0.0,
     }
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "ReplicaMap",
     "ReplicaRule",
     "REPLICA_RULES",
+    "DEFAULT_REPLICA_RULE",
     "check_redundant_experts",
     "physical_map",
     "hottest_on_busiest_rank",
@@ -57,8 +58,11 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
 ]
 
-ReplicaRule = Literal["hottest", "eplb"]
-REPLICA_RULES: tuple[ReplicaRule, ...] = ("hottest", "eplb")
+ReplicaRule = Literal["search", "hottest", "eplb"]
+REPLICA_RULES: tuple[ReplicaRule, ...] = ("search", "hottest", "eplb")
+#: The rule ``placement solve --redundant-experts`` uses unless told otherwise
+#: (``search``: :mod:`placement.replica_search`, never worse than the two simple rules on the evaluator).
+DEFAULT_REPLICA_RULE: ReplicaRule = "search"
 
 WEIGHT_BYTES_PER_PARAM = 2  # BF16 weights
 GRAD_BYTES_PER_PARAM = 4  # FP32 main_grad (Megatron-Core DDP's grad buffer)
@@ -400,6 +404,9 @@ def replicate(rule: ReplicaRule, base_phy2log: np.ndarray, loads: np.ndarray, ep
         return hottest_on_busiest_rank(base_phy2log, loads, ep, redundant_experts, rank2domain)
     if rule == "eplb":
         return eplb_replicate(base_phy2log, loads, ep, redundant_experts)
+    if rule == "search":
+        raise InvalidInputError("replica_rule: search prices whole placements and needs the instance "
+                                "(placement.replica_search.search_replicas); here only hottest or eplb")
     raise InvalidInputError(f"replica_rule: expected one of {', '.join(REPLICA_RULES)}, found {rule!r}")
 
 
