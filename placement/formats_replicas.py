@@ -150,6 +150,10 @@ def replicas_block(instance: Instance, placement: Placement, redundant_experts: 
     """
     from placement.replicas import REPLICA_RULES, replicate
 
+    if placement.pipeline_layout:  # score with the layout the placement runs (as placement.cost.report does)
+        from placement.pipeline_layout import with_layout
+
+        instance = with_layout(instance, placement.pipeline_layout)
     m, par, cl = instance.model, instance.parallel, instance.cluster
     n = check_redundant_experts(m.num_experts, par.ep, redundant_experts)
     if rule not in REPLICA_RULES:

@@ -323,6 +323,8 @@ def search_replicas(instance: Instance, placement: Placement, redundant_experts:
     order = ["combined", "search", "hottest", "eplb"]
     best = min(order, key=lambda k: (priced[k][0], order.index(k)))
     info.chosen = best
+    if best != "combined":  # the whole map of one candidate
+        info.layer_source = [best] * m.num_moe_layers
     final = rmaps[best]
     rows_final = final.phy2log
     info.load = [float(rank_loads(ReplicaMap(rows_final[li:li + 1], m.num_experts, par.ep), loads[li:li + 1]).max())
