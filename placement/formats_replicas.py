@@ -173,7 +173,7 @@ def replicas_block(instance: Instance, placement: Placement, redundant_experts: 
         for s in np.unique(stage):
             layers = np.flatnonzero(stage == s)
             rank2domain = cl.gpu2domain[r2g[par.stage_ep_groups[int(s)][0]]]
-            rows[layers] = replicate(rule, base[layers], loads[layers], par.ep, n, rank2domain).phy2log  # type: ignore[arg-type]
+            rows[layers] = replicate(rule, base[layers], loads[layers], par.ep, n, rank2domain).phy2log
         rmap = ReplicaMap(rows, m.num_experts, par.ep)
     try:
         from placement.movecount import expert_params

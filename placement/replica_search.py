@@ -40,11 +40,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import lcm
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from placement.model import Instance, InvalidInputError, Placement
 from placement.replicas import ReplicaMap, _check_rule_inputs, expert_loads, physical_map, rank_loads, replicate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from placement.cost import Window
 
 __all__ = ["SearchInfo", "search_replicas", "search_layer", "load_lower_bound", "priced_step_s"]
 
@@ -188,27 +192,27 @@ def search_layer(base_row: np.ndarray, w: np.ndarray, ep: int, redundant_experts
     share: dict[int, cp_model.LinearExprT] = {}
     slot_load: dict[tuple[int, int], cp_model.LinearExprT] = {}
     for ex in cands:
-        u = [model.NewBoolVar(f"u{ex}_{k}") for k in range(1, kmax + 1)]
-        model.AddExactlyOne(u)
+        u = [model.new_bool_var(f"u{ex}_{k}") for k in range(1, kmax + 1)]
+        model.add_exactly_one(u)
         share[ex] = sum(int(wi[ex] * scale // k) * u[k - 1] for k in range(1, kmax + 1))
         # z[r][k]: rank r holds a replica of ex and ex has k slots (k >= 2); per k, k - 1 ranks
         zk: list[list[cp_model.IntVar]] = [[] for _ in range(kmax + 1)]
         for r in range(ep):
             if r == home[ex]:
                 continue
-            x[ex, r] = model.NewBoolVar(f"x{ex}_{r}")
-            zs = {k: model.NewBoolVar(f"z{ex}_{r}_{k}") for k in range(2, kmax + 1)}
-            model.Add(sum(zs.values()) == x[ex, r])
+            x[ex, r] = model.new_bool_var(f"x{ex}_{r}")
+            zs = {k: model.new_bool_var(f"z{ex}_{r}_{k}") for k in range(2, kmax + 1)}
+            model.add(sum(zs.values()) == x[ex, r])
             for k, z in zs.items():
                 zk[k].append(z)
-                model.AddImplication(z, u[k - 1])
+                model.add_implication(z, u[k - 1])
             slot_load[ex, r] = sum(int(wi[ex] * scale // k) * z for k, z in zs.items())
         for k in range(2, kmax + 1):
-            model.Add(sum(zk[k]) == (k - 1) * u[k - 1])
+            model.add(sum(zk[k]) == (k - 1) * u[k - 1])
         if hint is not None:
             for k in range(1, kmax + 1):
-                model.AddHint(u[k - 1], int(hint_cnt[ex] == k))
-    t = model.NewIntVar(0, int(wi.sum() * scale), "T")
+                model.add_hint(u[k - 1], int(hint_cnt[ex] == k))
+    t = model.new_int_var(0, int(wi.sum() * scale), "T")
     total = int(wi.sum() * scale)
     for r in range(ep):
         terms = []
@@ -220,30 +224,30 @@ def search_layer(base_row: np.ndarray, w: np.ndarray, ep: int, redundant_experts
                 terms.append(slot_load[ex, r])
                 slots.append(x[ex, r])
                 if hint is not None:
-                    model.AddHint(x[ex, r], int(ex in hint[r]))
-        model.Add(sum(slots) == per_rank)
-        model.Add(sum(terms) <= t)
-    model.Add(ep * t >= total)  # the mean rank load
-    model.Minimize(t)
+                    model.add_hint(x[ex, r], int(ex in hint[r]))
+        model.add(sum(slots) == per_rank)
+        model.add(sum(terms) <= t)
+    model.add(ep * t >= total)  # the mean rank load
+    model.minimize(t)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = int(seed)
     solver.parameters.max_deterministic_time = float(deterministic_time)
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if hint is None:
             raise InvalidInputError("redundant_experts: the replica search found no map within its time limit")
         return hint, False
     extra = np.zeros((ep, per_rank), dtype=np.int64)
     for r in range(ep):
-        held = [ex for ex in cands if (ex, r) in x and solver.Value(x[ex, r])]
+        held = [ex for ex in cands if (ex, r) in x and solver.value(x[ex, r])]
         extra[r] = sorted(held)
     exact = status == cp_model.OPTIMAL and len(cands) == e and kmax >= full_k
     return extra, bool(exact)
 
 
 def priced_step_s(instance: Instance, placement: Placement, rmap: ReplicaMap | None,
-                  window: str = "sampled") -> tuple[float, np.ndarray]:
+                  window: Window = "sampled") -> tuple[float, np.ndarray]:
     """``(step seconds, (L,) per-layer priced seconds)`` of a replica map on one window.
 
     With a ``performance`` block: the step-time model's step, and per MoE layer the larger of its
@@ -254,7 +258,7 @@ def priced_step_s(instance: Instance, placement: Placement, rmap: ReplicaMap | N
     from placement.cost import evaluate
     from placement.performance import StepTimeModel, per_microbatch_load
 
-    m = evaluate(instance, placement, window=window, replicas=rmap)  # type: ignore[arg-type]
+    m = evaluate(instance, placement, window=window, replicas=rmap)
     lasting = np.asarray(m.expert_load_lasting_max_over_mean_per_layer or m.expert_load_max_over_mean_per_layer)
     if instance.performance is None:
         return float(lasting.mean() + m.alltoall_time_s_per_step), lasting
