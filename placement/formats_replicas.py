@@ -31,6 +31,9 @@ __all__ = [
     "replica_map_from_document",
     "replica_metrics",
     "replica_violations",
+    "replicas_block",
+    "priced_figures",
+    "PRICED_KEYS",
 ]
 
 TOKEN_SPLITS = ("arrival_round_robin",)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from placement.model import Instance, InvalidInputError, Placement
-from placement.replicas import ReplicaMap, _check_rule_inputs, expert_loads, physical_map, rank_loads, replicate
+from placement.replicas import ReplicaMap, check_rule_inputs, expert_loads, physical_map, rank_loads, replicate
 
 if TYPE_CHECKING:  # pragma: no cover
     from placement.cost import Window
@@ -283,7 +283,7 @@ def search_replicas(instance: Instance, placement: Placement, redundant_experts:
     m, par, cl = instance.model, instance.parallel, instance.cluster
     base = np.asarray(placement.phy2log, dtype=np.int64)
     loads = expert_loads(instance.routing.topk, m.num_experts)
-    _check_rule_inputs(base, loads, par.ep, redundant_experts)
+    check_rule_inputs(base, loads, par.ep, redundant_experts)
     if redundant_experts == 0:
         return physical_map(base, np.zeros((base.shape[0], par.ep, 0)), par.ep), SearchInfo("none")
     stage = np.asarray(instance.moe_layer2stage)

@@ -44,6 +44,7 @@ __all__ = [
     "REPLICA_RULES",
     "DEFAULT_REPLICA_RULE",
     "check_redundant_experts",
+    "check_rule_inputs",
     "physical_map",
     "hottest_on_busiest_rank",
     "eplb_replicate",
@@ -246,7 +247,9 @@ def load_max_over_mean(rmap: ReplicaMap, loads: np.ndarray) -> float:
 # ---------------------------------------------------------------------------------------------
 # Replica rules
 # ---------------------------------------------------------------------------------------------
-def _check_rule_inputs(base: np.ndarray, loads: np.ndarray, ep: int, n: int) -> tuple[int, int]:
+def check_rule_inputs(base: np.ndarray, loads: np.ndarray, ep: int, n: int) -> tuple[int, int]:
+    """``(E, N / ep)`` after checking a replica rule's inputs: ``base`` (L, E), ``loads`` (L, E), ``n``
+    redundant slots a multiple of ``ep`` that a rank can hold (one line naming the field otherwise)."""
     num_layers, e = base.shape
     check_redundant_experts(e, ep, n)
     if e % ep or n % ep:
@@ -282,7 +285,7 @@ def hottest_on_busiest_rank(base_phy2log: np.ndarray, loads: np.ndarray, ep: int
     """
     base = np.asarray(base_phy2log, dtype=np.int64)
     w = np.asarray(loads, dtype=np.float64)
-    e, per_rank = _check_rule_inputs(base, w, ep, redundant_experts)
+    e, per_rank = check_rule_inputs(base, w, ep, redundant_experts)
     dom = np.zeros(ep, dtype=np.int64) if rank2domain is None else np.asarray(rank2domain, dtype=np.int64)
     epr = e // ep
     extra = np.zeros((base.shape[0], ep, per_rank), dtype=np.int64)
@@ -342,7 +345,7 @@ def eplb_replicate(base_phy2log: np.ndarray, loads: np.ndarray, ep: int, redunda
     """
     base = np.asarray(base_phy2log, dtype=np.int64)
     w = np.asarray(loads, dtype=np.float64)
-    e, per_rank = _check_rule_inputs(base, w, ep, redundant_experts)
+    e, per_rank = check_rule_inputs(base, w, ep, redundant_experts)
     epr = e // ep
     extra = np.zeros((base.shape[0], ep, per_rank), dtype=np.int64)
     for li in range(base.shape[0]):
