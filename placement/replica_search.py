@@ -1,30 +1,36 @@
 """The replica search (``--replica-rule search``): which experts get the ``N`` redundant slots, and where.
 
 Per MoE layer, with the permutation the cross-rack search chose kept (each EP rank's first ``E / ep``
-slots), a CP-SAT model places ``N / ep`` redundant slots on every EP rank and minimises the busiest
-EP rank's tokens under the runtime's static split (expert ``e`` with ``c_e`` slots gives each
-``w_e / c_e``); the evaluator then prices every candidate map, and the search keeps per layer the
-candidate with the lower priced time (the GPU load's expert compute against the layer's all-to-all,
-both from :func:`placement.cost.evaluate` and the step-time model), and finally whichever of the
-combined map, ``hottest`` and ``eplb`` predicts the faster step on the sampled window.  So on the
+slots), a local search from the better simple rule and, on small layers, a CP-SAT model place
+``N / ep`` redundant slots on every EP rank, minimising the busiest EP rank's tokens under the
+runtime's static split (expert ``e`` with ``c_e`` slots gives each ``w_e / c_e``); the evaluator then
+prices every candidate map, and the search keeps per layer the candidate with the lower priced time
+(the GPU load's expert compute against the layer's all-to-all, the larger, both from
+:func:`placement.cost.evaluate` and the step-time model), and finally whichever of the combined
+map, its own, ``hottest``'s and ``eplb``'s predicts the faster step on the sampled window.  So on the
 evaluator it is never worse than either simple rule at the same ``N`` (tested on tiny layers).
 
 The model, per layer (``w_e`` the expert's tokens on the sampled window, ``scale = lcm(1..K)`` so
-every share is an integer):
+every share is an integer); it runs when (experts considered) x ``ep`` x ``K`` <= ``SMALL_LAYER``,
+else the layer keeps :func:`local_search`'s answer (which also hints the model):
 
-- ``u[e, k]`` (one per expert): ``e`` has ``k`` slots, ``1 <= k <= K = min(ep, N + 1, 8)``
-  (more only if a simple rule's map, the hint, uses more);
+- ``u[e, k]`` (exactly one per expert): ``e`` has ``k`` slots, ``1 <= k <= K = min(ep, N + 1, 8)``
+  (more only if the hint uses more);
 - ``x[e, r]``: a redundant slot of rank ``r`` (which does not already hold ``e``) holds ``e``;
-  ``sum_e x[e, r] = N / ep``; ``sum_r x[e, r] = sum_k (k - 1) u[e, k]``;
-- ``share_e = sum_k u[e, k] w_e scale / k``; ``v[e, r] >= share_e - M (1 - x[e, r])``;
-- ``load_r = sum_{e on r} share_e + sum_e v[e, r] <= T``; minimise ``T``.
+  ``sum_e x[e, r] = N / ep``;
+- ``z[e, r, k]``: ``x[e, r]`` and ``e`` has ``k`` slots: ``sum_k z[e, r, k] = x[e, r]``,
+  ``z[e, r, k] => u[e, k]``, ``sum_r z[e, r, k] = (k - 1) u[e, k]``;
+- ``load_r = sum_{e on r} sum_k u[e, k] w_e scale / k + sum_{e, k} z[e, r, k] w_e scale / k <= T``,
+  ``ep T >= sum_e w_e scale``; minimise ``T``.
 
 Experts considered for replicas: the ``N + ep`` heaviest and every expert the hint replicates; with
-all experts considered, ``K = min(ep, N + 1)`` and the solve proved optimal, the layer's answer is
-exact.  CP-SAT runs one worker, a fixed seed and a deterministic time limit per layer
-(``max_deterministic_time``), so the same input gives the same map.  The reported lower bound is
-valid for the full problem: the larger of the mean rank load and, per rank, the least load its own
-experts can reach with ``N`` replicas spent on them alone (separable and convex: greedy is exact).
+all experts considered and ``K = min(ep, N + 1)`` the model covers every map: the layer is exact
+when CP-SAT proves it optimal, and CP-SAT's bound is a bound of the layer.  CP-SAT runs one worker,
+a fixed seed and a deterministic time limit per layer (``max_deterministic_time``), so the same
+input gives the same map.  The reported lower bound is valid for the full problem: the largest of
+the mean rank load, CP-SAT's bound when its model covers every map, and, per rank, the least load
+its own experts can reach with ``N`` replicas spent on them alone (separable and convex: greedy is
+exact).
 
 Dispatcher rule: HybridEP sees a replica as one more column of the routing map on its rank
 (Megatron-Core 0.16.1 ``megatron/core/transformer/moe/fused_a2a.py``, ``HybridEPDispatch.forward``
@@ -156,11 +162,13 @@ def local_search(base_row: np.ndarray, w: np.ndarray, ep: int, extra: np.ndarray
 
 def search_layer(base_row: np.ndarray, w: np.ndarray, ep: int, redundant_experts: int,
                  hint_extra: np.ndarray | None = None, *, seed: int = 0,
-                 deterministic_time: float = DETERMINISTIC_TIME_PER_LAYER) -> tuple[np.ndarray, bool]:
-    """One layer's redundant slots by CP-SAT (module docstring): ``(extra (ep, N / ep), exact)``.
+                 deterministic_time: float = DETERMINISTIC_TIME_PER_LAYER) -> tuple[np.ndarray, bool, float]:
+    """One layer's redundant slots (module docstring): ``(extra (ep, N / ep), exact, bound_tokens)``.
 
     ``base_row`` (E,): the permutation; ``w`` (E,): tokens per expert; ``hint_extra`` (ep, N / ep):
-    a feasible map to start from (a simple rule's).  ``exact``: proved optimal over all experts.
+    a feasible map to start from (a simple rule's), improved by :func:`local_search`.  ``exact``:
+    proved optimal over all experts; ``bound_tokens``: CP-SAT's bound on the busiest rank's tokens
+    when its model covers every map (every expert, ``K = min(ep, N + 1)``), else 0.
     """
     from ortools.sat.python import cp_model
 
@@ -186,7 +194,7 @@ def search_layer(base_row: np.ndarray, w: np.ndarray, ep: int, redundant_experts
     kmax = max(min(full_k, MAX_COUNT), int(hint_cnt.max()))
     scale = lcm(*range(1, kmax + 1))
     if hint is not None and len(cands) * ep * kmax > SMALL_LAYER:
-        return hint, False  # too large for the exact model: the local search's answer
+        return hint, False, 0.0  # too large for the exact model: the local search's answer
     model = cp_model.CpModel()
     x: dict[tuple[int, int], cp_model.IntVar] = {}
     share: dict[int, cp_model.LinearExprT] = {}
@@ -237,13 +245,15 @@ def search_layer(base_row: np.ndarray, w: np.ndarray, ep: int, redundant_experts
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if hint is None:
             raise InvalidInputError("redundant_experts: the replica search found no map within its time limit")
-        return hint, False
+        return hint, False, 0.0
     extra = np.zeros((ep, per_rank), dtype=np.int64)
     for r in range(ep):
         held = [ex for ex in cands if (ex, r) in x and solver.value(x[ex, r])]
         extra[r] = sorted(held)
-    exact = status == cp_model.OPTIMAL and len(cands) == e and kmax >= full_k
-    return extra, bool(exact)
+    covers = len(cands) == e and kmax >= full_k
+    exact = status == cp_model.OPTIMAL and covers
+    bound = float(solver.best_objective_bound) / scale if covers else 0.0
+    return extra, bool(exact), bound
 
 
 def priced_step_s(instance: Instance, placement: Placement, rmap: ReplicaMap | None,
@@ -305,12 +315,12 @@ def search_replicas(instance: Instance, placement: Placement, redundant_experts:
         peak = {k: float(rank_loads(c, loads[li:li + 1]).max()) for k, c in cands.items()}
         start = min(peak, key=lambda k: (peak[k], k))
         hint = maps[start][li].reshape(par.ep, spr)[:, epr:]
-        extra, exact = search_layer(base[li], loads[li], par.ep, redundant_experts, hint, seed=seed,
-                                    deterministic_time=deterministic_time)
+        extra, exact, cp_bound = search_layer(base[li], loads[li], par.ep, redundant_experts, hint, seed=seed,
+                                              deterministic_time=deterministic_time)
         rows[li] = physical_map(base[li:li + 1], extra[None], par.ep).phy2log[0]
         mean = float(loads[li].sum()) / par.ep or 1.0
         info.load.append(float(rank_loads(ReplicaMap(rows[li:li + 1], m.num_experts, par.ep), loads[li:li + 1]).max()) / mean)
-        info.bound.append(load_lower_bound(base[li], loads[li], par.ep, redundant_experts) / mean)
+        info.bound.append(max(load_lower_bound(base[li], loads[li], par.ep, redundant_experts), cp_bound) / mean)
         info.exact.append(exact)
     maps = {"search": rows, **maps}
     rmaps = {k: ReplicaMap(v, m.num_experts, par.ep) for k, v in maps.items()}

@@ -253,11 +253,12 @@ def test_search_layer_is_exact_on_small_layers(seed):
     base = rng.permutation(e)
     w = rng.integers(0, 60, size=e).astype(float)
     hint = replicate("hottest", base[None], w[None], ep, ep * per_rank).phy2log[0].reshape(ep, -1)[:, e // ep:]
-    extra, exact = search_layer(base, w, ep, ep * per_rank, hint)
+    extra, exact, bound = search_layer(base, w, ep, ep * per_rank, hint)
     got = float(rank_loads(physical_map(base[None], extra[None], ep), w[None]).max())
     ref = brute_force_layer(base, w, ep, per_rank)
     assert exact
     assert got == pytest.approx(ref)
+    assert bound == pytest.approx(ref)  # proved: the bound meets the optimum
     assert load_lower_bound(base, w, ep, ep * per_rank) <= ref + 1e-9
 
 
