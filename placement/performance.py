@@ -65,7 +65,9 @@ NCCL's ring on NVLink inside one domain; across ``k`` domains with ``g`` members
 hierarchical, every member on its own NIC (``S (g-1)/g / nvlink + S (k-1)/(k g) / nic``).  The
 reduce-scatter hides in one micro-batch's backward compute less its all-to-all, the all-gather in
 one forward's; what does not fit is exposed.  Step time = ``T_pipeline`` + the slowest stage's
-exposed data-parallel time.
+exposed data-parallel time.  With redundant expert slots (``Metrics.num_redundant_experts``,
+:mod:`placement.replica_cost`) the expert collectives move ``(E + N) / E`` of the parameters and the
+replicas' gradient sum (``Metrics.replica_grad_time_s_per_stage``) is added exposed.
 
 Not modelled (absorbed by the fitted efficiency): recomputation, the optimizer step, stragglers,
 host (CPU) overhead, kernel launch gaps other than ``layer_overhead_s``.
