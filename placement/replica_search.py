@@ -7,7 +7,12 @@ runtime's static split (expert ``e`` with ``c_e`` slots gives each ``w_e / c_e``
 prices every candidate map, and the search keeps per layer the candidate with the lower priced time
 (the GPU load's expert compute against the layer's all-to-all, the larger, both from
 :func:`placement.cost.evaluate` and the step-time model), and finally whichever of the combined
-map, its own, ``hottest``'s and ``eplb``'s predicts the faster step on the sampled window.  So on the
+map, its own, ``hottest``'s and ``eplb``'s predicts the faster step on the sampled window.  One more
+candidate keeps every replica inside its expert's home node (the dispatcher's node,
+:mod:`placement.dispatch`; :func:`in_node_start` then :func:`local_search` restricted to the node):
+a token then reaches no node it did not reach before, so the cross-rack bytes stay the
+permutation's while the GPU load evens out inside each node (the replication UltraEP keeps inside
+one NVLink domain).  So on the
 evaluator it is never worse than either simple rule at the same ``N`` (tested on tiny layers).
 
 The model, per layer (``w_e`` the expert's tokens on the sampled window, ``scale = lcm(1..K)`` so
@@ -107,13 +112,40 @@ def load_lower_bound(base_row: np.ndarray, w: np.ndarray, ep: int, redundant_exp
     return best
 
 
-def local_search(base_row: np.ndarray, w: np.ndarray, ep: int, extra: np.ndarray, max_moves: int | None = None) -> np.ndarray:
+def in_node_start(base_row: np.ndarray, w: np.ndarray, ep: int, per_rank: int, same_node: np.ndarray) -> np.ndarray | None:
+    """(ep, per_rank) redundant slots that each hold an expert of another rank of the slot's own
+    dispatcher node (``same_node`` (ep, ep) bool), round by round the one with the most tokens per
+    slot (lowest id on ties); None when some rank's node has too few other experts."""
+    base = np.asarray(base_row, dtype=np.int64)
+    w = np.asarray(w, dtype=np.float64)
+    e = len(base)
+    epr = e // ep
+    home = np.empty(e, dtype=np.int64)
+    home[base] = np.arange(e) // epr
+    cnt = np.ones(e)
+    extra = np.zeros((ep, per_rank), dtype=np.int64)
+    for j in range(per_rank):
+        for q in range(ep):
+            ok = same_node[home, q] & (home != q)
+            ok[extra[q, :j]] = False
+            if not ok.any():
+                return None
+            score = np.where(ok, w / cnt, -np.inf)
+            x = int(np.argmax(score))
+            extra[q, j] = x
+            cnt[x] += 1
+    return extra
+
+
+def local_search(base_row: np.ndarray, w: np.ndarray, ep: int, extra: np.ndarray, max_moves: int | None = None,
+                 same_node: np.ndarray | None = None) -> np.ndarray:
     """Improve one layer's redundant slots ``extra`` (ep, N / ep) on the busiest rank's tokens.
 
     A move gives one redundant slot (rank ``q``, holding ``y``, ``y`` kept elsewhere) to an expert
     ``x`` of the busiest rank that ``q`` does not hold: every holder of ``x`` sheds load, every other
     holder of ``y`` takes some.  The best move by (busiest rank, sum of squared rank loads) is taken
-    while it lowers that pair lexicographically (so the walk ends); deterministic.
+    while it lowers that pair lexicographically (so the walk ends); deterministic.  ``same_node``
+    (ep, ep) bool: only moves that put ``x`` on a rank of its home rank's dispatcher node.
     """
     base = np.asarray(base_row, dtype=np.int64)
     w = np.asarray(w, dtype=np.float64)
@@ -139,6 +171,8 @@ def local_search(base_row: np.ndarray, w: np.ndarray, ep: int, extra: np.ndarray
         best: tuple[float, float, int, int] | None = None
         for xx in np.flatnonzero(hold[:, top]):
             ok = (ys != xx) & ~hold[xx, q_of]
+            if same_node is not None:
+                ok &= same_node[home[xx], q_of]
             if not ok.any():
                 continue
             gain_x = w[xx] / (cnt[xx] + 1) - w[xx] / cnt[xx]
@@ -310,6 +344,20 @@ def search_replicas(instance: Instance, placement: Placement, redundant_experts:
     spr = (m.num_experts + redundant_experts) // par.ep
     epr = m.num_experts // par.ep
     rows = np.zeros_like(maps["hottest"])
+    # In-node candidate: every replica on a rank of its expert's home node (placement.dispatch), so a
+    # token reaches no node it did not reach before: the cross-rack bytes stay the permutation's.
+    from placement.cost import LayoutIndex
+
+    group_node, _ = LayoutIndex(instance, r2g, instance.routing.tokens_per_source).nodes()  # (pp, G, ep)
+    same = (group_node[:, :, :, None] == group_node[:, :, None, :]).all(axis=1)  # (pp, ep, ep)
+    in_node = rows.copy()
+    for li in range(m.num_moe_layers):
+        start_in = in_node_start(base[li], loads[li], par.ep, redundant_experts // par.ep, same[stage[li]])
+        if start_in is None:
+            in_node = None
+            break
+        extra_in = local_search(base[li], loads[li], par.ep, start_in, same_node=same[stage[li]])
+        in_node[li] = physical_map(base[li:li + 1], extra_in[None], par.ep).phy2log[0]
     for li in range(m.num_moe_layers):
         cands = {k: ReplicaMap(v[li:li + 1], m.num_experts, par.ep) for k, v in maps.items()}
         peak = {k: float(rank_loads(c, loads[li:li + 1]).max()) for k, c in cands.items()}
@@ -322,11 +370,11 @@ def search_replicas(instance: Instance, placement: Placement, redundant_experts:
         info.load.append(float(rank_loads(ReplicaMap(rows[li:li + 1], m.num_experts, par.ep), loads[li:li + 1]).max()) / mean)
         info.bound.append(max(load_lower_bound(base[li], loads[li], par.ep, redundant_experts), cp_bound) / mean)
         info.exact.append(exact)
-    maps = {"search": rows, **maps}
+    maps = {"search": rows, **({"in_node": in_node} if in_node is not None else {}), **maps}
     rmaps = {k: ReplicaMap(v, m.num_experts, par.ep) for k, v in maps.items()}
     priced = {k: priced_step_s(instance, placement, r) for k, r in rmaps.items()}
     # Per layer, the candidate whose priced time is lowest (the search's own on ties).
-    per_layer = np.stack([priced[k][1] for k in maps])  # (3, L)
+    per_layer = np.stack([priced[k][1] for k in maps])  # (candidates, L)
     names = list(maps)
     pick = np.argmin(per_layer, axis=0)
     info.layer_source = [names[int(i)] for i in pick]
@@ -334,8 +382,8 @@ def search_replicas(instance: Instance, placement: Placement, redundant_experts:
     rmaps["combined"] = ReplicaMap(combined, m.num_experts, par.ep)
     priced["combined"] = priced_step_s(instance, placement, rmaps["combined"])
     info.step_s = {k: v[0] for k, v in priced.items()}
-    order = ["combined", "search", "hottest", "eplb"]
-    best = min(order, key=lambda k: (priced[k][0], order.index(k)))
+    order = ["combined", "search", "in_node", "hottest", "eplb"]
+    best = min((k for k in order if k in priced), key=lambda k: (priced[k][0], order.index(k)))
     info.chosen = best
     if best != "combined":  # the whole map of one candidate
         info.layer_source = [best] * m.num_moe_layers

@@ -332,3 +332,32 @@ def test_bad_replica_maps_are_refused(tiny):
         replicate("search", p.phy2log, np.ones((tiny.model.num_moe_layers, 16)), 8, 8)
     with pytest.raises(InvalidInputError, match="^redundant_experts: "):
         search_replicas(tiny, p, 3)
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_replicas_inside_their_home_node_change_no_cross_rack_byte(tiny, n):
+    # the in-node candidate: a token reaches no node it did not reach before, so every NIC figure is
+    # the permutation's while the GPU loads move
+    from placement.replica_search import in_node_start
+    from solvers.default import default_placement
+
+    p = default_placement(tiny)
+    layout = LayoutIndex(tiny, p.rank2gpu, tiny.routing.tokens_per_source)
+    gn, _ = layout.nodes()
+    same = (gn[:, :, :, None] == gn[:, :, None, :]).all(axis=1)
+    loads = expert_loads(tiny.routing.topk, 16)
+    rows = []
+    for li in range(tiny.model.num_moe_layers):
+        s = tiny.moe_layer2stage[li]
+        start = in_node_start(p.phy2log[li], loads[li], 8, n // 8, same[s])
+        assert start is not None
+        extra = local_search(p.phy2log[li], loads[li], 8, start, same_node=same[s])
+        home = np.empty(16, dtype=np.int64)
+        home[p.phy2log[li]] = np.arange(16) // 2
+        assert all(same[s][home[x], q] for q in range(8) for x in extra[q])
+        rows.append(physical_map(p.phy2log[li:li + 1], extra[None], 8).phy2log[0])
+    rmap = ReplicaMap(np.array(rows), 16, 8)
+    a, b = evaluate(tiny, p, replicas=rmap), evaluate(tiny, p)
+    assert a.cross_domain_bytes_per_layer == b.cross_domain_bytes_per_layer
+    assert a.max_gpu_cross_domain_bytes_per_layer == b.max_gpu_cross_domain_bytes_per_layer
+    assert a.expert_load_max_over_mean_per_layer != b.expert_load_max_over_mean_per_layer
