@@ -182,7 +182,7 @@ class ReplicaMap:
                 held = by_rank[li, r]
                 if len(set(held.tolist())) != spr:
                     out.append(f"replicas.phy2log[{li}]: EP rank {r} holds expert "
-                               f"{int(held[np.argmax(np.bincount(held))])} twice (a replica must sit on another rank)")
+                               f"{int(np.argmax(np.bincount(held)))} twice (a replica must sit on another rank)")
                     break
         if base_phy2log is not None:
             base = np.asarray(base_phy2log, dtype=np.int64)
