@@ -311,7 +311,7 @@ def solve(
     sharded_optimizer: bool = True,
     fit: Fit = "robust",
     redundant_experts: int = 0,
-    replica_rule: str = "hottest",
+    replica_rule: str = "search",
     pipeline_split: bool = True,
 ) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
@@ -378,9 +378,11 @@ def solve(
         an instance with one sampled window.
     redundant_experts : ``N`` extra expert slots per MoE layer (SGLang's
         ``--ep-num-redundant-experts``), ``N / ep`` per GPU; ``E + N`` must divide over ``ep``.  The
-        replicas are chosen after the permutation by ``replica_rule`` (``hottest`` or ``eplb``,
-        :mod:`placement.replicas`) and returned in ``details["replicas"]``, which the placement
-        file holds as its ``replicas`` block.  The evaluator does not price them yet.
+        replicas are chosen after the permutation by ``replica_rule`` (``search``, the default:
+        :mod:`placement.replica_search`; ``hottest`` or ``eplb``: :mod:`placement.replicas`) and
+        returned in ``details["replicas"]``, which the placement file holds as its ``replicas``
+        block, with the evaluator's figures priced with them under ``priced``
+        (:func:`placement.cost.report` with ``replicas=``; ``metrics`` stay the permutation's).
     pipeline_split : with the ``step_time`` objective, a performance block, ``pp > 1`` and no
         ``previous``, choose the pipeline layer split for the answer's placement
         (:func:`placement.pipeline_split.choose_layout`; never slower than the instance's split on
@@ -449,7 +451,7 @@ def solve(
     etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
     if etp_problems:
         raise InvalidInputError(etp_problems[0])
-    if redundant_experts or replica_rule != "hottest":
+    if redundant_experts or replica_rule != "search":
         from placement.replicas import REPLICA_RULES, check_redundant_experts
 
         check_redundant_experts(instance.model.num_experts, instance.parallel.ep, redundant_experts)
@@ -515,7 +517,7 @@ def solve(
     if redundant_experts:  # the replica block of the placement file (placement/formats_replicas.py)
         from placement.formats_replicas import replicas_block
 
-        details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule)
+        details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule, seed=seed)
     if move_request is not None:  # what the re-placement moves and gains (placement/moves.py)
         from placement.moves import move_report, replica_state_bytes
 

@@ -312,11 +312,18 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     print("\n".join(_footprint_lines(instance, result)))
     if "moves" in result.details:
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
-    if "replicas" in result.details:  # placement/formats_replicas.py; not priced by the evaluator yet
+    if "replicas" in result.details:  # placement/formats_replicas.py; priced under "priced", metrics above without
         rm = result.details["replicas"]["metrics"]
         print(f"  replicas: {args.redundant_experts} redundant slots per MoE layer (rule {args.replica_rule}), busiest EP "
               f"rank's tokens / mean (held-out) {rm.get('heldout_rank_load_max_over_mean', float('nan')):.3f} -> "
-              f"{rm.get('heldout_rank_load_max_over_mean_with_replicas', float('nan')):.3f}; not in the metrics above")
+              f"{rm.get('heldout_rank_load_max_over_mean_with_replicas', float('nan')):.3f}; the metrics above are "
+              "without them")
+        pr = result.details["replicas"].get("priced", {})
+        if "heldout_predicted_tflops_per_gpu_mid" in pr:
+            print(f"  with the replicas, held-out TFLOP/s per GPU (low / mid / high): "
+                  f"{pr['heldout_predicted_tflops_per_gpu_low']:,.1f} / {pr['heldout_predicted_tflops_per_gpu_mid']:,.1f} / "
+                  f"{pr['heldout_predicted_tflops_per_gpu_high']:,.1f}; "
+                  f"{pr.get('replica_memory_bytes_per_gpu', float('nan')) / 1e9:.2f} GB more per GPU")
     if args.output:
         print(f"  wrote {args.output}")
     return EXIT_OK
@@ -744,8 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--redundant-experts", type=int, default=0, metavar="N",
                     help="N extra expert slots per MoE layer for replicas of hot experts (N / ep per GPU; E + N must "
                          "divide over ep, as SGLang's --ep-num-redundant-experts; docs/replicas.md)")
-    so.add_argument("--replica-rule", default="hottest", choices=("hottest", "eplb"),
-                    help="how the replicas are chosen (default hottest; eplb: DeepSeek EPLB's replicate_experts)")
+    so.add_argument("--replica-rule", default="search", choices=("search", "hottest", "eplb"),
+                    help="how the replicas are chosen (default search: per layer CP-SAT / local search priced by the "
+                         "evaluator, never worse than hottest or eplb; eplb: DeepSeek EPLB's replicate_experts)")
     so.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
     so.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
     mv = so.add_argument_group("re-placement (docs/experts.md, 'Re-placement')")

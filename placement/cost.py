@@ -56,6 +56,7 @@ from placement.model import CostMode, Instance, InvalidInputError, Placement
 
 if TYPE_CHECKING:  # pragma: no cover
     from placement.performance import StepTimeModel
+    from placement.replicas import ReplicaMap
 
 __all__ = [
     "Window",
@@ -119,6 +120,14 @@ class Metrics:
     remote_nodes_per_token: float = 0.0
     # EP groups (all stages) the dispatcher runs with nodes smaller than their slice of a domain
     small_node_ep_groups: int = 0
+    # Redundant expert slots (placement.replica_cost; zeros without a replica map): N per MoE layer,
+    # (pp,) seconds of the replicas' gradient sum on each stage's busiest GPU (spec links, exposed),
+    # its bytes over the step on NVLink and on the NIC, and the bytes the slots add to the fullest GPU
+    num_redundant_experts: int = 0
+    replica_grad_time_s_per_stage: list[float] = field(default_factory=list)
+    replica_grad_nvlink_bytes_per_step: float = 0.0
+    replica_grad_nic_bytes_per_step: float = 0.0
+    replica_memory_bytes_per_gpu: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -255,6 +264,7 @@ def evaluate(
     cost_mode: CostMode | None = None,
     layout: LayoutIndex | None = None,
     rule: NodeRule | None = None,
+    replicas: ReplicaMap | None = None,
 ) -> Metrics:
     """Score ``placement`` on one window of ``instance``'s tokens.
 
@@ -267,6 +277,11 @@ def evaluate(
     layout : a precomputed :class:`LayoutIndex` for ``placement.rank2gpu`` (saves time in loops).
     rule : override the dispatcher's node rule (:func:`placement.dispatch.node_rule`); ``domain``
         prices a node as a group's whole part of a domain, what the rank layout's estimator counts.
+    replicas : redundant expert slots (:class:`placement.replicas.ReplicaMap`, whose first slots per
+        rank repeat ``placement.phy2log``): every (token, expert) goes to the slot the runtime's
+        arrival-order split picks (:func:`placement.replica_cost.physical_topk`) and bytes and loads
+        are counted over slots; the gradient sum and the memory are added
+        (:mod:`placement.replica_cost`).  None or ``N = 0``: exactly the permutation's figures.
 
     Returns
     -------
@@ -295,6 +310,12 @@ def evaluate(
     src_ep = layout.rank2eprank[src_rank]  # (L, dp, T) EP rank of the sender in its group
     stage3 = layer_stage[:, None, None]
     src_node = group_node[stage3, src_group, src_ep]
+    if replicas is not None and replicas.num_redundant:  # price physical slots (placement.replica_cost)
+        from placement.replica_cost import check_replica_map, physical_topk
+
+        check_replica_map(instance, replicas)
+        topk = physical_topk(topk, replicas, src_rank)
+        e2r = np.broadcast_to(replicas.slot2rank, (num_layers, replicas.num_physical))
     # GPU, node and EP rank of every (layer, EP group, expert), then flat gathers for every (token, expert).
     num_experts = e2r.shape[1]
     ngroups = layout.groups.shape[1]
@@ -438,26 +459,55 @@ def evaluate(
         max_gpu_nic_received_bytes_per_layer=[float(x) for x in recv.max(axis=1) * (weight * fabric_copy)],
         remote_nodes_per_token=float(remote_nodes_per_token.sum() / ntok),
         small_node_ep_groups=layout.small_node_groups(rule) if mode == "per_domain" else 0,
+        **_replica_fields(instance, placement, replicas),
     )
 
 
-def report(instance: Instance, placement: Placement) -> dict:
+def _replica_fields(instance: Instance, placement: Placement, replicas: ReplicaMap | None) -> dict:
+    """The Metrics' replica fields (:mod:`placement.replica_cost`); empty without redundant slots."""
+    if replicas is None or not replicas.num_redundant:
+        return {}
+    from placement.replica_cost import (expert_params_or_none, replica_grad_bytes_per_step,
+                                        replica_grad_time_s_per_stage, replica_memory_bytes_per_gpu)
+
+    params = expert_params_or_none(instance)
+    nvl, nic = replica_grad_bytes_per_step(instance, replicas, placement.rank2gpu, params)
+    return {
+        "num_redundant_experts": replicas.num_redundant,
+        "replica_grad_time_s_per_stage": replica_grad_time_s_per_stage(instance, replicas, placement.rank2gpu, params),
+        "replica_grad_nvlink_bytes_per_step": nvl,
+        "replica_grad_nic_bytes_per_step": nic,
+        # 0 when the expert size is unknown (no performance block): JSON has no NaN
+        "replica_memory_bytes_per_gpu": replica_memory_bytes_per_gpu(instance, replicas, params) if params else 0.0,
+    }
+
+
+def report(instance: Instance, placement: Placement, replicas: ReplicaMap | None = None) -> dict:
     """Metrics on the sampled and the held-out window, in the instance's cost mode, as one dict.
 
     Keys of the sampled window are plain (``cross_domain_bytes_per_step``, ...); the held-out
     window's carry the prefix ``heldout_``; per-layer and per-stage arrays are included.  A
     placement that carries a pipeline layout is scored with it (:mod:`placement.pipeline_layout`).
+    ``replicas``: price these redundant expert slots too (:func:`evaluate`); their map must extend
+    ``placement.phy2log``.
     """
+    if replicas is not None:
+        from placement.replica_cost import check_replica_map
+
+        check_replica_map(instance, replicas)
+        bad = replicas.problems(placement.phy2log)
+        if bad:
+            raise InvalidInputError(bad[0])
     if placement.pipeline_layout:
         from placement.pipeline_layout import with_layout
 
         instance = with_layout(instance, placement.pipeline_layout)
     layout = LayoutIndex(instance, placement.rank2gpu, instance.routing.tokens_per_source)
     out: dict = {}
-    sampled = evaluate(instance, placement, window="sampled", layout=layout).to_dict()
+    sampled = evaluate(instance, placement, window="sampled", layout=layout, replicas=replicas).to_dict()
     out.update(sampled)
     if instance.routing.heldout_topk is not None:
-        held = evaluate(instance, placement, window="heldout", layout=layout).to_dict()
+        held = evaluate(instance, placement, window="heldout", layout=layout, replicas=replicas).to_dict()
         for key, value in held.items():
             if key not in ("cost_mode", "window"):
                 out[f"heldout_{key}"] = value

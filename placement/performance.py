@@ -65,7 +65,9 @@ NCCL's ring on NVLink inside one domain; across ``k`` domains with ``g`` members
 hierarchical, every member on its own NIC (``S (g-1)/g / nvlink + S (k-1)/(k g) / nic``).  The
 reduce-scatter hides in one micro-batch's backward compute less its all-to-all, the all-gather in
 one forward's; what does not fit is exposed.  Step time = ``T_pipeline`` + the slowest stage's
-exposed data-parallel time.
+exposed data-parallel time.  With redundant expert slots (``Metrics.num_redundant_experts``,
+:mod:`placement.replica_cost`) the expert collectives move ``(E + N) / E`` of the parameters and the
+replicas' gradient sum (``Metrics.replica_grad_time_s_per_stage``) is added exposed.
 
 Not modelled (absorbed by the fitted efficiency): recomputation, the optimizer step, stragglers,
 host (CPU) overhead, kernel launch gaps other than ``layer_overhead_s``.
@@ -610,10 +612,11 @@ class StepTimeModel:
         per_byte = np.where(k <= 1, inside, spans)  # (pp, G)
         return size * per_byte.max(axis=1)
 
-    def _dp_time_s(self, rank2gpu: np.ndarray | None) -> np.ndarray:
-        """(pp,) reduce-scatter + all-gather seconds per GPU of each stage."""
+    def _dp_time_s(self, rank2gpu: np.ndarray | None, expert_scale: float = 1.0) -> np.ndarray:
+        """(pp,) reduce-scatter + all-gather seconds per GPU of each stage (``expert_scale``: expert
+        slots per GPU over the permutation's, ``(E + N) / E`` with redundant slots)."""
         return self._group_time_s(self._dense_groups, self.dense_params_per_gpu, rank2gpu) + self._group_time_s(
-            self._expert_groups, self.expert_params_per_gpu, rank2gpu
+            self._expert_groups, self.expert_params_per_gpu * expert_scale, rank2gpu
         )
 
     def p2p_time_s(self, rank2gpu: np.ndarray | None) -> np.ndarray:
@@ -739,6 +742,8 @@ class StepTimeModel:
         communication: bool = True,
         nic_bytes_per_layer: Sequence[float] | None = None,
         nvlink_bytes_per_layer: Sequence[float] | None = None,
+        replica_grad_s_per_stage: Sequence[float] | None = None,
+        expert_dp_scale: float = 1.0,
     ) -> Prediction:
         """The prediction from the evaluator's per-MoE-layer lists (see the module docstring).
 
@@ -752,6 +757,10 @@ class StepTimeModel:
         nic_bytes_per_layer, nvlink_bytes_per_layer : (num_moe_layers,) the Metrics' busiest NIC
             and NVLink port bytes per step; with them each transfer is priced on its own link at
             its achieved bandwidth (:meth:`transfer_times_s`).
+        replica_grad_s_per_stage : (pp,) the redundant slots' gradient sum per step
+            (``Metrics.replica_grad_time_s_per_stage``), added exposed (:mod:`placement.replica_cost`).
+        expert_dp_scale : expert slots per GPU over the permutation's (``(E + N) / E``): the
+            expert-data-parallel collectives move the redundant slots too.
         """
         perf, m = self.perf, self.micro_batches
         per_layer_tau, serial, c, t = self.item_times_s(
@@ -782,9 +791,11 @@ class StepTimeModel:
         # backward unpaired (exposed), and the warm-up/cool-down bubble, also unpaired.
         pipeline = (m - 1) * tau.max() + (1.0 + bubble_units) * sigma.max()
         if communication:
-            dp = self._dp_time_s(rank2gpu)
+            dp = self._dp_time_s(rank2gpu, expert_dp_scale)
             rs, ag = dp * self._rs_share, dp * (1.0 - self._rs_share)
             exposed_dp = np.maximum(0.0, rs - bwd_free) + np.maximum(0.0, ag - fwd_free)
+            if replica_grad_s_per_stage is not None and len(replica_grad_s_per_stage):
+                exposed_dp = exposed_dp + np.asarray(replica_grad_s_per_stage, dtype=np.float64)
         else:
             exposed_dp = np.zeros(pp)
         step = float(pipeline + exposed_dp.max())
@@ -819,6 +830,8 @@ class StepTimeModel:
             rank2gpu,
             nic_bytes_per_layer=metrics.max_gpu_cross_domain_bytes_per_layer,
             nvlink_bytes_per_layer=getattr(metrics, "max_gpu_nvlink_bytes_per_layer", None),
+            replica_grad_s_per_stage=getattr(metrics, "replica_grad_time_s_per_stage", None),
+            expert_dp_scale=1.0 + getattr(metrics, "num_redundant_experts", 0) / self.instance.model.num_experts,
         )
 
     def step_time_s(self, metrics: Metrics, rank2gpu: np.ndarray | None = None) -> float:

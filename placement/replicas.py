@@ -42,7 +42,9 @@ __all__ = [
     "ReplicaMap",
     "ReplicaRule",
     "REPLICA_RULES",
+    "DEFAULT_REPLICA_RULE",
     "check_redundant_experts",
+    "check_rule_inputs",
     "physical_map",
     "hottest_on_busiest_rank",
     "eplb_replicate",
@@ -57,8 +59,11 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
 ]
 
-ReplicaRule = Literal["hottest", "eplb"]
-REPLICA_RULES: tuple[ReplicaRule, ...] = ("hottest", "eplb")
+ReplicaRule = Literal["search", "hottest", "eplb"]
+REPLICA_RULES: tuple[ReplicaRule, ...] = ("search", "hottest", "eplb")
+#: The rule ``placement solve --redundant-experts`` uses unless told otherwise
+#: (``search``: :mod:`placement.replica_search`, never worse than the two simple rules on the evaluator).
+DEFAULT_REPLICA_RULE: ReplicaRule = "search"
 
 WEIGHT_BYTES_PER_PARAM = 2  # BF16 weights
 GRAD_BYTES_PER_PARAM = 4  # FP32 main_grad (Megatron-Core DDP's grad buffer)
@@ -177,7 +182,7 @@ class ReplicaMap:
                 held = by_rank[li, r]
                 if len(set(held.tolist())) != spr:
                     out.append(f"replicas.phy2log[{li}]: EP rank {r} holds expert "
-                               f"{int(held[np.argmax(np.bincount(held))])} twice (a replica must sit on another rank)")
+                               f"{int(np.argmax(np.bincount(held)))} twice (a replica must sit on another rank)")
                     break
         if base_phy2log is not None:
             base = np.asarray(base_phy2log, dtype=np.int64)
@@ -242,7 +247,9 @@ def load_max_over_mean(rmap: ReplicaMap, loads: np.ndarray) -> float:
 # ---------------------------------------------------------------------------------------------
 # Replica rules
 # ---------------------------------------------------------------------------------------------
-def _check_rule_inputs(base: np.ndarray, loads: np.ndarray, ep: int, n: int) -> tuple[int, int]:
+def check_rule_inputs(base: np.ndarray, loads: np.ndarray, ep: int, n: int) -> tuple[int, int]:
+    """``(E, N / ep)`` after checking a replica rule's inputs: ``base`` (L, E), ``loads`` (L, E), ``n``
+    redundant slots a multiple of ``ep`` that a rank can hold (one line naming the field otherwise)."""
     num_layers, e = base.shape
     check_redundant_experts(e, ep, n)
     if e % ep or n % ep:
@@ -278,7 +285,7 @@ def hottest_on_busiest_rank(base_phy2log: np.ndarray, loads: np.ndarray, ep: int
     """
     base = np.asarray(base_phy2log, dtype=np.int64)
     w = np.asarray(loads, dtype=np.float64)
-    e, per_rank = _check_rule_inputs(base, w, ep, redundant_experts)
+    e, per_rank = check_rule_inputs(base, w, ep, redundant_experts)
     dom = np.zeros(ep, dtype=np.int64) if rank2domain is None else np.asarray(rank2domain, dtype=np.int64)
     epr = e // ep
     extra = np.zeros((base.shape[0], ep, per_rank), dtype=np.int64)
@@ -338,7 +345,7 @@ def eplb_replicate(base_phy2log: np.ndarray, loads: np.ndarray, ep: int, redunda
     """
     base = np.asarray(base_phy2log, dtype=np.int64)
     w = np.asarray(loads, dtype=np.float64)
-    e, per_rank = _check_rule_inputs(base, w, ep, redundant_experts)
+    e, per_rank = check_rule_inputs(base, w, ep, redundant_experts)
     epr = e // ep
     extra = np.zeros((base.shape[0], ep, per_rank), dtype=np.int64)
     for li in range(base.shape[0]):
@@ -400,6 +407,9 @@ def replicate(rule: ReplicaRule, base_phy2log: np.ndarray, loads: np.ndarray, ep
         return hottest_on_busiest_rank(base_phy2log, loads, ep, redundant_experts, rank2domain)
     if rule == "eplb":
         return eplb_replicate(base_phy2log, loads, ep, redundant_experts)
+    if rule == "search":
+        raise InvalidInputError("replica_rule: search prices whole placements and needs the instance "
+                                "(placement.replica_search.search_replicas); here only hottest or eplb")
     raise InvalidInputError(f"replica_rule: expected one of {', '.join(REPLICA_RULES)}, found {rule!r}")
 
 
