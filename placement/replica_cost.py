@@ -16,16 +16,15 @@ how HybridEP sees it (one more column of the routing map, Megatron-Core 0.16.1
 its count every micro-batch; the window is replayed as one sequence per source, which differs by at
 most one token per (source, expert) and micro-batch.
 
-Gradient sum (:func:`replica_grad_time_s_per_stage`), once per step after the backward pass: each
-replicated expert's slots sum their FP32 gradients (``expert_params x 4`` bytes) and write the sum
-back: priced as a ring all-reduce among the expert's ``c`` slots, ``2 (c - 1) / c`` of the bytes
-per member, on NVLink when all its slots' GPUs share an NVLink domain, else on the NIC, at the
-links' spec bandwidths (as the data-parallel collectives are priced).  It is not overlapped: the
-runtime runs it before the data-parallel reduction with ``overlap_grad_reduce=False``
-(docs/replicas.md), so the step model adds it exposed.  The runtime today all-reduces one buffer of
-every replicated expert's gradient over the whole EP group (``InstalledReplicas.reduce_grads``),
-which moves ``R`` experts' bytes per rank instead of the few each rank holds; this module prices
-the per-expert reduction the runtime needs (docs/replicas.md says what it would take).
+Gradient sum (:func:`replica_grad_time_s_per_stage`), once per step after the backward pass, as
+the runtime runs it (``InstalledReplicas.reduce_grads``, :mod:`placement.replica_runtime`): each
+rank sums its own slots of a replicated expert (FP32, ``expert_params x 4`` bytes) and exchanges
+that partial sum point to point with every other rank holding the expert, so with ``h`` holder
+GPUs each sends and receives ``(h - 1) x expert_params x 4`` bytes; on NVLink when all the
+holders share an NVLink domain, else on the NIC, at the links' spec bandwidths (as the
+data-parallel collectives are priced).  It is not overlapped: the runtime runs it before the
+data-parallel reduction with ``overlap_grad_reduce=False`` (docs/replicas.md), so the step model
+adds it exposed.
 
 Memory (:func:`replica_memory_bytes_per_gpu`): ``N / ep`` extra slots per MoE layer on every GPU,
 each :func:`placement.replicas.extra_slot_bytes`.
@@ -126,8 +125,8 @@ def replica_grad_time_s_per_stage(instance: Instance, rmap: ReplicaMap, rank2gpu
                                   expert_params: int | None) -> list[float]:
     """(pp,) seconds per step of the replicas' gradient sum on each stage's busiest GPU (spec links).
 
-    Per replicated (layer, expert) with ``c`` slots: a ring all-reduce of ``expert_params x 4`` bytes
-    among its slots' GPUs in every EP group, ``2 (c - 1) / c`` of them per member, over NVLink
+    Per replicated (layer, expert) held on ``h`` GPUs of an EP group: each holder sends (and
+    receives) its partial sum of ``expert_params x 4`` bytes to the ``h - 1`` others, over NVLink
     (``cluster.nvlink_gbps``) when they share a domain, else over the NIC (``cluster.scaleout_gbps``).
     Each GPU sums its reductions over its stage's layers; the stage takes its busiest GPU.
     Zeros when ``expert_params`` is None (size unknown) or nothing is replicated.
@@ -139,10 +138,10 @@ def replica_grad_time_s_per_stage(instance: Instance, rmap: ReplicaMap, rank2gpu
     size = float(expert_params) * GRAD_BYTES_PER_PARAM
     per_gpu = np.zeros((par.pp, cl.num_gpus))
     for _li, s, g, inside in _replica_groups(instance, rmap, rank2gpu):
-        c = g.shape[1]
         bps = np.where(inside, cl.nvlink_gbps, cl.scaleout_gbps) * 1e9  # (G,)
-        t = size * 2.0 * (c - 1) / c / bps
-        np.add.at(per_gpu[s], g.reshape(-1), np.repeat(t, c))
+        for row in range(g.shape[0]):
+            holders = np.unique(g[row])  # two slots on one GPU are summed locally
+            per_gpu[s, holders] += size * (holders.size - 1) / bps[row]
     out = per_gpu.max(axis=1)
     return [float(x) for x in out]
 
@@ -155,10 +154,13 @@ def replica_grad_bytes_per_step(instance: Instance, rmap: ReplicaMap, rank2gpu: 
     size = float(expert_params) * GRAD_BYTES_PER_PARAM
     nvl = nic = 0.0
     for _li, _s, g, inside in _replica_groups(instance, rmap, rank2gpu):
-        c = g.shape[1]
-        per_group = size * 2.0 * (c - 1)  # c members x 2 (c - 1) / c of the bytes
-        nvl += per_group * float(inside.sum())
-        nic += per_group * float((~inside).sum())
+        for row in range(g.shape[0]):
+            h = np.unique(g[row]).size
+            sent = size * h * (h - 1)  # every holder to every other
+            if inside[row]:
+                nvl += sent
+            else:
+                nic += sent
     return nvl, nic
 
 

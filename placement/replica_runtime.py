@@ -15,8 +15,8 @@ LLEP) needs the global counts first.  A token's output does not depend on which 
 it, because replicas hold identical weights.
 
 Gradients: each replica's gradient covers only the tokens it got; :meth:`InstalledReplicas.reduce_grads`
-sums the gradients of every logical expert's slots over the EP group (one all-reduce over the
-replicated experts' parameters), after backward and before the data-parallel gradient reduction
+sums the gradients of every logical expert's slots among the EP ranks that hold it (point-to-point
+exchanges of each holder's partial sum, added in rank order), after backward and before the data-parallel gradient reduction
 and the optimizer step (Megatron-Core: before ``finish_grad_sync``, with ``overlap_grad_reduce=False``;
 an overlapped bucket would start its reduce-scatter before the replica sum).  Every replica then
 holds the logical expert's gradient; identical gradients, identical weights and identical
@@ -105,10 +105,18 @@ class InstalledReplicas:
         self._handles.clear()
 
     def reduce_grads(self, group: Any = None) -> None:
-        """Sum the gradients of every replicated logical expert's slots over ``group`` (the EP
-        group; default: Megatron-Core's expert-model-parallel group, else the world) and write the
-        sum into every slot.  Reads and writes ``param.main_grad`` when present (Megatron-Core DDP),
-        else ``param.grad``."""
+        """Sum the gradients of every replicated logical expert's slots among the EP ranks that hold
+        it and write the sum into every slot.  ``group`` is the EP group (default: Megatron-Core's
+        expert-model-parallel group, else the world).  Reads and writes ``param.main_grad`` when
+        present (Megatron-Core DDP), else ``param.grad``.
+
+        Per layer, each rank first sums its own slots of an expert (FP32), then exchanges that
+        partial sum point to point with every other holder of the expert (``isend``/``irecv``
+        inside the EP group; ranks that hold no slot of it take no part and move no byte), and every
+        holder adds the partial sums in ascending rank order, so all replicas get bit-identical
+        gradients.  Per replicated expert held on ``h`` ranks each holder sends and receives
+        ``(h - 1) x expert_params x 4`` bytes: what :mod:`placement.replica_cost` prices.
+        """
         import torch
         import torch.distributed as dist
 
@@ -116,27 +124,52 @@ class InstalledReplicas:
             from megatron.core import parallel_state
 
             group = parallel_state.get_expert_model_parallel_group()
+        distributed = dist.is_available() and dist.is_initialized()
         for layer in self.layers:
             p2l, first, slots = self._layers[layer]
             counts = np.bincount(p2l, minlength=self.num_experts)
-            replicated = np.flatnonzero(counts > 1)
-            if not len(replicated) or not slots:
+            if not (counts > 1).any() or not slots:
                 continue
-            row = {int(e): i for i, e in enumerate(replicated)}
-            grads = [_grad_of(p, dim) for p, dim in slots[0]]
-            width = sum(g.numel() for g in grads)
-            buf = torch.zeros(len(replicated), width, dtype=torch.float32, device=grads[0].device)
-            mine = [(i, row[int(p2l[first + i])]) for i in range(len(slots)) if int(p2l[first + i]) in row]
-            for i, r in mine:
-                buf[r] += torch.cat([_grad_of(p, dim).reshape(-1).float() for p, dim in slots[i]])
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(buf, group=group)
-            for i, r in mine:
-                offset = 0
-                for p, dim in slots[i]:
-                    g = _grad_of(p, dim)
-                    g.copy_(buf[r, offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+            per_rank = len(slots)
+            me = first // per_rank  # this rank's index in the EP group
+            partial: dict[int, Any] = {}  # expert -> this rank's FP32 sum of its slots' gradients
+            local: dict[int, list[int]] = {}  # expert -> its local slots
+            for i in range(per_rank):
+                e = int(p2l[first + i])
+                if counts[e] < 2:
+                    continue
+                flat = torch.cat([_grad_of(p, dim).reshape(-1).float() for p, dim in slots[i]])
+                partial[e] = flat if e not in partial else partial[e] + flat
+                local.setdefault(e, []).append(i)
+            holders = {e: sorted({int(x) // per_rank for x in np.flatnonzero(p2l == e)}) for e in partial}
+            received: dict[tuple[int, int], Any] = {}
+            if distributed:
+                ops = []
+                for e in sorted(partial):  # the same order on every holder: sends and receives match
+                    for h in holders[e]:
+                        if h == me:
+                            continue
+                        peer = h if group is None else dist.get_global_rank(group, h)
+                        buf = torch.empty_like(partial[e])
+                        received[(e, h)] = buf
+                        ops.append(dist.P2POp(dist.isend, partial[e], peer))
+                        ops.append(dist.P2POp(dist.irecv, buf, peer))
+                if ops:  # one batch: NCCL needs the pairs grouped, gloo matches them in order
+                    for req in dist.batch_isend_irecv(ops):
+                        req.wait()
+            for e in sorted(partial):
+                total = None
+                for h in holders[e]:
+                    part = partial[e] if h == me else received.get((e, h))
+                    if part is None:  # not distributed: a single process holds every slot
+                        continue
+                    total = part.clone() if total is None else total + part
+                for i in local[e]:
+                    offset = 0
+                    for p, dim in slots[i]:
+                        g = _grad_of(p, dim)
+                        g.copy_(total[offset:offset + g.numel()].view_as(g))
+                        offset += g.numel()
 
     def update(self, layers: Mapping[int, Sequence[int] | np.ndarray]) -> list[int]:
         """Point the hooks at new maps (in place: the same device tensors); ``{layer: (P,) phy2log}``,

@@ -230,6 +230,35 @@ def test_gradient_sum_and_memory_counted_by_hand(tiny):
     assert slow >= zero
 
 
+def test_gradient_sum_of_an_expert_on_every_rank_is_priced_as_the_runtime_exchanges_it(tiny):
+    """Expert 0 held by all ``ep`` ranks: each holder sends its partial sum to the ``ep - 1`` others
+    (``InstalledReplicas.reduce_grads``), not the ring's ``2 (ep - 1) / ep``."""
+    from placement.movecount import expert_params
+    from placement.replica_cost import replica_grad_bytes_per_step
+
+    p = Placement(np.arange(tiny.parallel.world_size), np.tile(np.arange(16), (tiny.model.num_moe_layers, 1)))
+    ep = tiny.parallel.ep
+    extra = np.zeros((tiny.model.num_moe_layers, ep, 1), dtype=np.int64)  # every rank's replica: expert 0
+    rmap = physical_map(p.phy2log, extra, ep)
+    params = expert_params(tiny)
+    size = params * GRAD_BYTES_PER_PARAM
+    cl, groups = tiny.cluster, tiny.parallel.stage_ep_groups
+    got = replica_grad_time_s_per_stage(tiny, rmap, p.rank2gpu, params)
+    nvl = nic = 0.0
+    for s in range(tiny.parallel.pp):
+        layers = int((np.asarray(tiny.moe_layer2stage) == s).sum())
+        worst = 0.0
+        for g in range(groups.shape[1]):
+            one = len(set(cl.gpu2domain[groups[s, g]].tolist())) == 1
+            worst = max(worst, (ep - 1) * size / ((cl.nvlink_gbps if one else cl.scaleout_gbps) * 1e9))
+            if one:
+                nvl += layers * ep * (ep - 1) * size
+            else:
+                nic += layers * ep * (ep - 1) * size
+        assert got[s] == pytest.approx(layers * worst, rel=1e-12)
+    assert replica_grad_bytes_per_step(tiny, rmap, p.rank2gpu, params) == pytest.approx((nvl, nic), rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # The search
 # ---------------------------------------------------------------------------------------------
