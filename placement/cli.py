@@ -873,8 +873,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--fit", default=None, metavar="NAMES",
                     help="comma-separated parameters to fit on the rows marked fit: gemm_efficiency (one ceiling per GPU "
                          "kind) and at most three of gemm_half_shape, fp8_gemm_ratio, elementwise_bytes, layer_overhead_s, "
-                         "expert_gemm_efficiency, overlap_efficiency (default gemm_efficiency,gemm_half_shape,"
-                         "fp8_gemm_ratio,elementwise_bytes)")
+                         "expert_gemm_efficiency, overlap_efficiency (default gemm_efficiency,fp8_gemm_ratio,"
+                         "elementwise_bytes,layer_overhead_s,overlap_efficiency)")
     ca.add_argument("--cross-validate", action="store_true",
                     help="print leave-one-configuration-out and leave-one-model-family-out errors of every row "
                          "(each fit on all other rows; docs/performance.md)")
