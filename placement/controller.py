@@ -1,5 +1,8 @@
 """Re-place experts during training: record routing, solve off the critical path, migrate when it pays.
 
+(Hot-expert replicas are re-planned inline from a window of recent routing counts:
+:class:`ReplicaController`, at the end of this module.)
+
 A :class:`ReplacementController` lives in the training loop of every rank (``after_step(step)``
 once per optimizer step).  Every ``every_steps`` steps it runs one cycle:
 
@@ -45,7 +48,7 @@ import numpy as np
 
 from placement.model import InvalidInputError, Placement
 
-__all__ = ["ReplacementController", "CycleLog", "solve_request"]
+__all__ = ["ReplacementController", "ReplicaController", "CycleLog", "solve_request"]
 
 log = logging.getLogger("placement.controller")
 
@@ -319,6 +322,107 @@ class ReplacementController:
             self._proc.kill()
             self._proc.wait()
         self._close_log()
+
+
+class ReplicaController:
+    """Re-plan hot-expert replicas from recent routing, at step boundaries, on every rank.
+
+    Every step (``after_step``) it takes the tokens each logical expert got on this rank since the
+    last step (:meth:`placement.replica_runtime.InstalledReplicas.take_counts`, counted by the
+    routing hooks) into a window of the last ``window_steps`` steps; every ``every_steps`` steps it
+    sums the window over ``group`` (one all-reduce), puts each layer's redundant slots where
+    ``rule`` (:func:`placement.replicas.replicate`, ``hottest`` or ``eplb``) puts them for those
+    loads (:func:`placement.replica_runtime.replica_plan`: the base permutation kept), and, when a
+    map changes, calls ``installed.replan`` (:func:`placement.migrate.migrate`: weights and optimizer
+    state go with every created or moved replica).  Only recent routing counts: replicas chosen on
+    the whole history lag a shift of the hot experts (UltraEP's criticism of EPLB, arXiv 2606.04101);
+    ``window_steps`` is how far back it looks.  The plan is a deterministic function of the summed
+    counts, so every rank computes the same maps with no broadcast.
+
+    This is separate from :class:`ReplacementController` (which records traces and solves the
+    cross-rack permutation in a background process): choosing replicas is cheap enough to run inline.
+
+    Parameters
+    ----------
+    installed : the :class:`placement.replica_runtime.InstalledReplicas` of this rank's model.
+    optimizer : the job's optimizer (what ``migrate`` takes; the DistributedOptimizer included).
+    rule : ``hottest`` or ``eplb``.
+    every_steps : a re-plan every this many steps (at steps ``every_steps - 1``, ``2 * every_steps - 1``, ...).
+    window_steps : the recent steps whose counts the re-plan reads.
+    group : the ranks whose counts are summed (default: the world; under pipeline parallelism the
+        ranks of this stage, which hold the same layers).
+    ep_group, state_group : ``migrate``'s ``group`` and ``state_group``.
+    rank2domain : ``(ep,)`` NVLink domain of each EP rank, for ``hottest`` (replicas stay in the domain).
+    """
+
+    def __init__(self, installed: Any, optimizer: Any, *, rule: str = "hottest", every_steps: int = 100,
+                 window_steps: int = 20, group: Any = None, ep_group: Any = None, state_group: Any = None,
+                 rank2domain: np.ndarray | None = None) -> None:
+        from collections import deque
+
+        if rule not in ("hottest", "eplb"):
+            raise InvalidInputError(f"rule: expected hottest or eplb, found {rule!r}")
+        if every_steps < 1:
+            raise InvalidInputError(f"every_steps: expected a positive count, found {every_steps}")
+        if window_steps < 1:
+            raise InvalidInputError(f"window_steps: expected a positive count, found {window_steps}")
+        self.installed, self.optimizer, self.rule = installed, optimizer, rule
+        self.every_steps, self.window_steps = int(every_steps), int(window_steps)
+        self.group, self.ep_group, self.state_group, self.rank2domain = group, ep_group, state_group, rank2domain
+        self._window: deque[dict[int, Any]] = deque(maxlen=self.window_steps)  # per step {layer: (E,) device tensor}
+        self.history: list[dict[str, Any]] = []
+
+    def recent_loads(self) -> dict[int, np.ndarray]:
+        """``{layer: (E,) tokens per logical expert}`` over the window, summed over ``group`` (on the
+        counters' device, as NCCL needs; the one host copy of the re-plan)."""
+        import torch
+        import torch.distributed as dist
+
+        layers = sorted({layer for counts in self._window for layer in counts})
+        if not layers:
+            return {}
+        rows = []
+        for layer in layers:
+            parts = [counts[layer] for counts in self._window if layer in counts]
+            rows.append(torch.stack(parts).sum(0))
+        total = torch.stack(rows)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total, group=self.group)
+        local = total.cpu().numpy().astype(np.int64)
+        return {layer: local[i].copy() for i, layer in enumerate(layers)}
+
+    def after_step(self, step: int) -> dict[str, Any] | None:
+        """Call once per optimizer step on every rank, after ``zero_grad`` (a step boundary).
+        Returns the re-plan's record (``step``, ``decision``, ``maps``, ``loads``, the migration
+        report) at a re-plan step, else None."""
+        from placement.migrate import MigrationError
+
+        self._window.append(self.installed.take_counts(on_device=True))  # no host synchronisation per step
+        if (step + 1) % self.every_steps:
+            return None
+        loads = self.recent_loads()
+        maps = self.installed.maps_from_loads(loads, self.rule, self.rank2domain)
+        changed = sorted(layer for layer, row in maps.items()
+                         if not np.array_equal(row, self.installed.phy2log(layer)))
+        entry: dict[str, Any] = {"step": step, "window_steps": len(self._window),
+                                 "loads": {k: v.tolist() for k, v in loads.items()},
+                                 "maps": {k: v.tolist() for k, v in maps.items()}, "changed": changed}
+        if not changed:
+            entry["decision"] = "unchanged"
+        else:
+            t0 = time.perf_counter()
+            try:
+                report = self.installed.replan({k: maps[k] for k in changed}, self.optimizer, group=self.ep_group,
+                                               state_group=self.state_group)
+            except MigrationError as e:  # every rank raised it; the old maps and state are intact
+                entry["decision"] = f"failed: {e}"
+            else:
+                entry["decision"] = "applied"
+                entry["migration"] = {**report.to_dict(), "measured_migration_s": time.perf_counter() - t0}
+        log.info("step %d: replica re-plan from %d recent steps: %s (layers %s)", step, len(self._window),
+                 entry["decision"], changed)
+        self.history.append(entry)
+        return entry
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,11 @@ map per MoE layer.  Every logical expert whose slot changes takes its whole trai
   keeps for the parameter); scalar state (Adam's ``step``) is the same for every expert and is
   checked to be equal on every rank, not sent.
 
+The maps may hold replicas (more slots than experts; :mod:`placement.replica_runtime`, whose
+``InstalledReplicas.replan`` calls this with itself as the live map): a created or moved replica
+takes its expert's state from one slot that holds it (:func:`plan_moves`), a dropped one is
+overwritten (its replicas hold the same state).
+
 Protocol, every rank of the job (``state_group``, default the world): weights move within each
 expert-parallel group (expert-data-parallel replicas hold the same experts and move them the same
 way), but all ranks agree, so the replicas switch together or not at all:
@@ -134,20 +139,32 @@ class MigrationReport:
 # ---------------------------------------------------------------------------------------------
 def plan_moves(old: Sequence[int] | np.ndarray, new: Sequence[int] | np.ndarray, ep: int) -> list[tuple[int, int]]:
     """``[(src_slot, dst_slot), ...]`` for one layer: new slot ``dst`` takes the logical expert that
-    old slot ``src`` holds (``new[dst] == old[src]``), for every slot whose expert changes slot.
+    old slot ``src`` holds (``new[dst] == old[src]``), for every slot whose expert changes.
 
-    old, new : (E,) phy2log before and after; ep : EP ranks (slot ``p`` is on rank ``p // (E / ep)``).
+    old, new : (P,) phy2log before and after, each holding every logical expert ``0 .. E-1`` at
+        least once (``P = E``: a permutation; ``P > E``: replicas, :mod:`placement.replica_runtime`);
+    ep : EP ranks (slot ``p`` is on rank ``p // (P / ep)``).
+
+    With replicas an expert has several old slots: the source is one on the destination's EP rank
+    when there is one (a local copy), else the lowest.  Every replica of an expert holds the same
+    weights and optimizer state (the replica gradient sum), so any one is the expert's state, and a
+    dropped replica's state is the state its expert keeps in its other slots.
     Sorted by ``dst``; the order every rank posts its transfers in.
     """
-    old_a, new_a = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+    old_a, new_a = np.asarray(old, dtype=np.int64).reshape(-1), np.asarray(new, dtype=np.int64).reshape(-1)
     n = old_a.shape[0]
-    if new_a.shape != (n,) or sorted(old_a.tolist()) != list(range(n)) or sorted(new_a.tolist()) != list(range(n)):
-        raise InvalidInputError(f"phy2log: expected two permutations of 0..{n - 1}")
+    experts = set(old_a.tolist())
+    if new_a.shape != (n,) or experts != set(range(len(experts))) or set(new_a.tolist()) != experts:
+        raise InvalidInputError(f"phy2log: expected two maps of {n} slots, each holding every expert 0..E-1")
     if ep <= 0 or n % ep:
         raise InvalidInputError(f"ep: {n} experts do not split over {ep} EP ranks")
-    log2phy_old = np.empty(n, dtype=np.int64)
-    log2phy_old[old_a] = np.arange(n)
-    return [(int(log2phy_old[new_a[p]]), p) for p in range(n) if int(log2phy_old[new_a[p]]) != p]
+    per_rank = n // ep
+    moves = []
+    for p in np.flatnonzero(old_a != new_a):
+        holders = np.flatnonzero(old_a == new_a[p])
+        local = holders[holders // per_rank == p // per_rank]
+        moves.append((int(local[0] if len(local) else holders[0]), int(p)))
+    return moves
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,27 +414,35 @@ def _slot_fields(stack: str, params: list[tuple[str, Any, int | None]], states: 
 def _as_maps(new_placement: Any) -> dict[int, np.ndarray]:
     if isinstance(new_placement, Mapping) and new_placement.get("kind") == MAP_KIND:
         return maps_from_state(new_placement)
+    if isinstance(new_placement, Mapping) and new_placement and all(
+            isinstance(k, (int, np.integer)) for k in new_placement):  # {layer: phy2log}, checked by plan_moves
+        return {int(k): np.asarray(v, dtype=np.int64).reshape(-1) for k, v in sorted(new_placement.items())}
     from placement.runtime import expert_map
 
     return {layer: np.asarray(m.phy2log, dtype=np.int64) for layer, m in expert_map(new_placement).items()}
 
 
 def map_state(maps: Mapping[int, Sequence[int] | np.ndarray] | Any) -> dict[str, Any]:
-    """The checkpoint entry of the live map: ``{"kind", "version", "layers": {layer: phy2log}}``.
+    """The checkpoint entry of the live map: ``{"kind", "version", "layers": {layer: phy2log}}``,
+    plus ``"num_experts": E`` when the maps hold replicas (more slots than experts).
 
-    ``maps``: ``{layer: phy2log}`` or the live map (:class:`placement.runtime.InstalledMap`: the
-    layers this process holds).  Put it in the state dict the job saves
-    (e.g. ``state["expert_map"] = map_state(live)``) or write it beside the checkpoint with
-    :func:`save_map`.
+    ``maps``: ``{layer: phy2log}`` or the live map (:class:`placement.runtime.InstalledMap` or
+    :class:`placement.replica_runtime.InstalledReplicas`: the layers this process holds).  Put it in
+    the state dict the job saves (e.g. ``state["expert_map"] = map_state(live)``) or write it beside
+    the checkpoint with :func:`save_map`.
     """
     if not isinstance(maps, Mapping):
         maps = {int(layer): maps.phy2log(layer) for layer in _live_layers(maps)}
-    return {"kind": MAP_KIND, "version": MAP_VERSION,
-            "layers": {str(int(k)): [int(x) for x in np.asarray(v).tolist()] for k, v in sorted(maps.items())}}
+    rows = {str(int(k)): [int(x) for x in np.asarray(v).tolist()] for k, v in sorted(maps.items())}
+    out: dict[str, Any] = {"kind": MAP_KIND, "version": MAP_VERSION, "layers": rows}
+    if any(len(set(row)) < len(row) for row in rows.values()):
+        out["num_experts"] = 1 + max(max(row) for row in rows.values())
+    return out
 
 
 def maps_from_state(state: Mapping[str, Any], where: str = "expert_map") -> dict[int, np.ndarray]:
-    """``{layer: phy2log}`` from :func:`map_state`'s entry (checked: kind, version, permutations)."""
+    """``{layer: phy2log}`` from :func:`map_state`'s entry (checked: kind, version, and every row a
+    permutation, or with ``num_experts`` every expert ``0 .. E-1`` at least once and no other id)."""
     if not isinstance(state, Mapping) or state.get("kind") != MAP_KIND:
         raise InvalidInputError(f"{where}: kind: expected {MAP_KIND!r}")
     if state.get("version") != MAP_VERSION:
@@ -425,10 +450,20 @@ def maps_from_state(state: Mapping[str, Any], where: str = "expert_map") -> dict
     layers = state.get("layers")
     if not isinstance(layers, Mapping) or not layers:
         raise InvalidInputError(f"{where}: layers: expected a non-empty object of layer -> phy2log")
+    num_experts = state.get("num_experts")
+    if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)
+                                    or num_experts < 1):
+        raise InvalidInputError(f"{where}: num_experts: expected a positive integer, found {num_experts!r}")
     out: dict[int, np.ndarray] = {}
     for key, perm in layers.items():
-        if not str(key).isdigit() or not isinstance(perm, list) or sorted(perm) != list(range(len(perm))):
+        if not str(key).isdigit() or not isinstance(perm, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in perm):
+            raise InvalidInputError(f"{where}: layers.{key}: expected a list of expert ids under a layer index")
+        if num_experts is None and sorted(perm) != list(range(len(perm))):
             raise InvalidInputError(f"{where}: layers.{key}: expected a permutation of 0..E-1 under a layer index")
+        if num_experts is not None and set(perm) != set(range(num_experts)):
+            raise InvalidInputError(f"{where}: layers.{key}: expected every expert 0..{num_experts - 1} at least once "
+                                    "and no other id (num_experts)")
         out[int(key)] = np.asarray(perm, dtype=np.int64)
     return dict(sorted(out.items()))
 

@@ -24,6 +24,13 @@ optimizer state keep them identical after every step (replicas are ordinary para
 each has its own optimizer state, sharded over the expert-data-parallel ranks by the
 DistributedOptimizer).  Skipping the reduction is what breaks equality with the job without replicas.
 
+Live re-plan: :meth:`InstalledReplicas.replan` at a step boundary creates, drops and moves slots
+through :func:`placement.migrate.migrate` (weights, master weights, Adam moments, the
+DistributedOptimizer's shards), with this object as the live map; the routing hooks count each
+layer's tokens per logical expert (:meth:`InstalledReplicas.take_counts`), from which
+:func:`replica_plan` chooses the next maps, and :class:`placement.controller.ReplicaController`
+re-plans from a window of recent steps.
+
 Hooks
 -----
 - Megatron-Core 0.16.1 (``megatron/core/transformer/moe/moe_layer.py``, ``router.py``): the
@@ -53,7 +60,7 @@ import numpy as np
 from placement.model import InvalidInputError
 from placement.replicas import ReplicaMap
 
-__all__ = ["InstalledReplicas", "replica_maps", "install_megatron_replicas", "install_torchtitan_replicas"]
+__all__ = ["InstalledReplicas", "replica_maps", "replica_plan", "install_megatron_replicas", "install_torchtitan_replicas"]
 
 
 def replica_maps(layers: Mapping[int, Sequence[int] | np.ndarray], num_experts: int) -> dict[int, np.ndarray]:
@@ -82,6 +89,8 @@ class InstalledReplicas:
         # layer -> (phy2log numpy (P,), first local slot, [per local slot: list of (param, expert-dim index)])
         self._layers: dict[int, tuple[np.ndarray, int, list[list[tuple[Any, int | None]]]]] = {}
         self._route: dict[int, tuple[Any, Any]] = {}  # layer -> the (cnt, table_t) device tensors the hooks read
+        self._seen: dict[int, Any] = {}  # layer -> (E,) tokens routed to each logical expert since take_counts
+        self._model: Any = None  # what replan hands to placement.migrate.migrate
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -129,128 +138,118 @@ class InstalledReplicas:
                     g.copy_(buf[r, offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
 
-
-    def replan(self, layers: Mapping[int, Sequence[int] | np.ndarray], optimizer: Any = None, group: Any = None,
-               *, copy_optimizer_state: bool = True) -> list[int]:
-        """Re-plan the replicas at a step boundary: slots whose logical expert changes take that
-        expert's weights and optimizer state from its current lowest slot (one all-reduce over
-        ``group``, the EP group by default), and the hooks' tensors are rewritten in place.
-
-        Only redundant slots may change (each rank's first ``E / ep`` slots keep the placement's
-        permutation, which ``placement.migrate`` moves).  ``optimizer``: the torch optimizers whose
-        ``state[param]`` hold each slot's moments (a Megatron-Core ``ChainedOptimizer`` of
-        non-distributed optimizers, or a torch optimizer); Megatron-Core's DistributedOptimizer
-        shards a slot's state by its place in the gradient buffer, which differs between slots,
-        and is refused.  Returns the layers whose map changed.
-        """
+    def update(self, layers: Mapping[int, Sequence[int] | np.ndarray]) -> list[int]:
+        """Point the hooks at new maps (in place: the same device tensors); ``{layer: (P,) phy2log}``,
+        layers not installed here are ignored.  Moves no state: :meth:`replan` moves the state and
+        then calls this (it is the live map's ``update`` that :func:`placement.migrate.migrate` commits).
+        Every map is checked before any is written.  Returns the layers whose map changed."""
         import torch
-        import torch.distributed as dist
 
-        if group is None and self.stack == "Megatron":
-            from megatron.core import parallel_state
-
-            group = parallel_state.get_expert_model_parallel_group()
-        inner = _torch_optimizers(optimizer)
         new = replica_maps(layers, self.num_experts)
+        for layer, p2l in new.items():
+            if layer in self._layers and p2l.size != self._layers[layer][0].size:
+                raise InvalidInputError(f"layer {layer}: the new replica map has {p2l.size} slots, the model "
+                                        f"{self._layers[layer][0].size}")
         changed = []
-        for layer in self.layers:
-            if layer not in new:
-                continue
-            old_p2l, first, slots = self._layers[layer]
-            p2l = new[layer]
-            if p2l.size != old_p2l.size:
-                raise InvalidInputError(f"layer {layer}: the new replica map has {p2l.size} slots, the model {old_p2l.size}")
-            per_rank = len(slots) if slots else p2l.size
-            redundant_per_rank = (p2l.size - self.num_experts) // (p2l.size // per_rank)
-            base = np.arange(p2l.size) % per_rank < per_rank - redundant_per_rank  # each rank's permutation slots
-            if np.any(p2l[base] != old_p2l[base]):
-                raise InvalidInputError(f"layer {layer}: a re-plan changes only redundant slots; the permutation moves "
-                                        "with placement.migrate")
-            moved = np.flatnonzero(p2l != old_p2l)
-            if not len(moved):
-                continue
-            changed.append(layer)
-            needed = sorted({int(p2l[s]) for s in moved})
-            source = {b: int(np.flatnonzero(old_p2l == b)[0]) for b in needed}
-            parts = [[p.detach()[dim] if dim is not None else p.detach() for p, dim in slot] for slot in slots]
-            states = [[_state_tensors(inner, p) for p, _ in slot] for slot in slots]
-            width = sum(t.numel() for t in parts[0]) + sum(t.numel() for st in states[0] for t in st)
-            buf = torch.zeros(len(needed), width, dtype=torch.float32, device=parts[0][0].device)
-            for k, b in enumerate(needed):
-                i = source[b] - first
-                if 0 <= i < len(slots):
-                    pieces = [t.reshape(-1).float() for t in parts[i]]
-                    pieces += [t.reshape(-1).float() for st in states[i] for t in st]
-                    buf[k] = torch.cat(pieces)
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(buf, group=group)
-            with torch.no_grad():
-                for s_ in moved:
-                    i = int(s_) - first
-                    if not 0 <= i < len(slots):
-                        continue
-                    row = buf[needed.index(int(p2l[s_]))]
-                    offset = 0
-                    targets = parts[i] + ([t for st in states[i] for t in st] if copy_optimizer_state else [])
-                    for t in targets:
-                        t.copy_(row[offset:offset + t.numel()].view_as(t))
-                        offset += t.numel()
+        with torch.no_grad():
+            for layer, p2l in new.items():
+                if layer not in self._layers:
+                    continue
+                old_p2l, first, slots = self._layers[layer]
+                if np.array_equal(p2l, old_p2l):
+                    continue
+                changed.append(layer)
                 cnt, table_t = self._route[layer]
                 new_cnt, new_table = _slot_table(torch, p2l, self.num_experts, cnt.device)
                 cnt.copy_(new_cnt)
                 table_t.copy_(new_table)
-            self._layers[layer] = (p2l, first, slots)
+                self._layers[layer] = (p2l, first, slots)
         return changed
 
+    def replan(self, layers: Mapping[int, Sequence[int] | np.ndarray], optimizer: Any, group: Any = None,
+               state_group: Any = None) -> Any:
+        """Re-plan the replicas at a step boundary (after ``optimizer.step()`` and ``zero_grad``):
+        create, drop and move slots, keeping every logical expert's training state.
+
+        A thin call of :func:`placement.migrate.migrate` with this object as the live map: every
+        slot whose logical expert changes takes that expert's weights, FP32 master weights and
+        per-element optimizer state (Adam's moments) from one slot that holds it now
+        (:func:`placement.migrate.plan_moves`: on its own EP rank when one does, else the lowest),
+        including the DistributedOptimizer's shards, which are cut over the expert-data-parallel
+        ranks by each slot's place in the gradient buffer and may change DP index as well as EP
+        rank.  A dropped replica needs nothing folded back: every replica of an expert got the same
+        summed gradient every step (:meth:`reduce_grads`), so its weights and moments equal those the
+        expert keeps in its other slots.  All ranks switch or none (``migrate``'s agreement); on a
+        :class:`placement.migrate.MigrationError` the old maps and state are intact.
+
+        Parameters
+        ----------
+        layers : ``{model layer: (P,) phy2log}``, every logical expert at least once per layer; the
+            base permutation may change too.
+        optimizer : the job's optimizer (what :func:`placement.migrate.migrate` takes).
+        group, state_group : as :func:`placement.migrate.migrate` (default: Megatron-Core's EP group,
+            and the world).
+
+        Returns
+        -------
+        placement.migrate.MigrationReport
+        """
+        from placement.migrate import migrate
+
+        if self._model is None:
+            raise InvalidInputError("replan: this InstalledReplicas has no model (install it with "
+                                    "install_megatron_replicas / install_torchtitan_replicas)")
+        if group is None and self.stack != "Megatron":
+            raise InvalidInputError("group: a TorchTitan re-plan needs the EP process group (mesh['ep'].get_group())")
+        maps = replica_maps({k: v for k, v in layers.items() if int(k) in self._layers}, self.num_experts)
+        return migrate(self._model, optimizer, maps, live_map=self, group=group, state_group=state_group)
+
+    def take_counts(self, *, on_device: bool = False) -> dict[int, Any]:
+        """``{layer: (E,) tokens this rank routed to each logical expert}`` since the last call
+        (every micro-batch's forward adds to it), and reset to zero.  numpy int64 arrays, or with
+        ``on_device`` copies of the device tensors (no host synchronisation: what a per-step caller
+        such as :class:`placement.controller.ReplicaController` keeps)."""
+        out: dict[int, Any] = {}
+        for layer in self.layers:
+            seen = self._seen.get(layer)
+            if seen is None:
+                continue
+            out[layer] = seen.detach().clone() if on_device else seen.detach().cpu().numpy().astype(np.int64)
+            seen.zero_()
+        return out
 
     def maps_from_loads(self, loads: Mapping[int, Sequence[float] | np.ndarray], rule: str = "hottest",
                         rank2domain: np.ndarray | None = None) -> dict[int, np.ndarray]:
-        """New replica maps for :meth:`replan` from recent routing: per installed layer, ``loads``
-        (E,) tokens per logical expert (e.g. the router's ``local_tokens_per_expert`` summed over
-        the EP group since the last re-plan), the permutation kept, the redundant slots chosen by
-        ``rule`` (:func:`placement.replicas.replicate`).  The same on every rank given the same loads."""
-        from placement.replicas import replicate
-
+        """New replica maps for :meth:`replan` from recent routing: per installed layer in ``loads``
+        (``(E,)`` tokens per logical expert, e.g. :meth:`take_counts` summed over the job and a
+        window of recent steps), :func:`replica_plan` of its current map.  The same on every rank
+        given the same loads."""
         out: dict[int, np.ndarray] = {}
         for layer in self.layers:
             if layer not in loads:
                 continue
             p2l, _, slots = self._layers[layer]
-            per_rank = len(slots)
-            ep = p2l.size // per_rank
-            keep = per_rank - (p2l.size - self.num_experts) // ep
-            base = p2l.reshape(ep, per_rank)[:, :keep].reshape(1, -1)
-            w = np.asarray(loads[layer], dtype=np.float64).reshape(1, -1)
-            out[layer] = replicate(rule, base, w, ep, p2l.size - self.num_experts, rank2domain).phy2log[0]  # type: ignore[arg-type]
+            out[layer] = replica_plan(p2l, loads[layer], self.num_experts, p2l.size // len(slots), rule, rank2domain)
         return out
 
 
-def _torch_optimizers(optimizer: Any) -> list[Any]:
-    """The torch optimizers inside a Megatron-Core (Chained) optimizer, or ``[optimizer]``."""
-    if optimizer is None:
-        return []
-    chained = getattr(optimizer, "chained_optimizers", None)
-    opts = list(chained) if chained is not None else [optimizer]
-    out = []
-    for o in opts:
-        if hasattr(o, "model_param_group_index_map"):
-            raise InvalidInputError("optimizer: Megatron-Core's DistributedOptimizer shards each slot's state by its "
-                                    "place in the gradient buffer; a replica re-plan needs the non-distributed optimizer")
-        out.append(getattr(o, "optimizer", o))
-    return out
+def replica_plan(phy2log: Sequence[int] | np.ndarray, loads: Sequence[float] | np.ndarray, num_experts: int, ep: int,
+                 rule: str = "hottest", rank2domain: np.ndarray | None = None) -> np.ndarray:
+    """One layer's new ``(P,)`` map: each EP rank's first ``E / ep`` slots keep ``phy2log``'s
+    permutation, the ``N = P - E`` redundant slots go where ``rule`` (:func:`placement.replicas.replicate`:
+    ``hottest`` or ``eplb``) puts them for ``loads`` ``(E,)`` tokens per logical expert."""
+    from placement.replicas import replicate
 
-
-def _state_tensors(optimizers: list[Any], param: Any) -> list[Any]:
-    """The FP32 main copy of ``param`` when the optimizer keeps one (Megatron-Core's BF16 optimizer:
-    ``param.main_param``) and its tensor-valued optimizer state (Adam's moments, step), in key order."""
-    main = getattr(param, "main_param", None)
-    key = param if main is None else main
-    out = [] if main is None else [main.detach()]
-    for o in optimizers:
-        state = o.state.get(key)
-        if state:
-            return out + [state[k] for k in sorted(state) if hasattr(state[k], "numel")]
-    return out
+    p2l = np.asarray(phy2log, dtype=np.int64).reshape(-1)
+    w = np.asarray(loads, dtype=np.float64).reshape(1, -1)
+    if w.shape[1] != num_experts or p2l.size % ep or (p2l.size - num_experts) % ep:
+        raise InvalidInputError(f"loads: expected {num_experts} logical experts and a map of slots split evenly "
+                                f"over {ep} EP ranks")
+    per_rank = p2l.size // ep
+    keep = per_rank - (p2l.size - num_experts) // ep
+    base = p2l.reshape(ep, per_rank)[:, :keep].reshape(1, -1)
+    out = replicate(rule, base, w, ep, p2l.size - num_experts, rank2domain)  # type: ignore[arg-type]
+    return np.asarray(out.phy2log[0], dtype=np.int64)
 
 
 def _grad_of(param: Any, dim_index: int | None) -> Any:
@@ -307,33 +306,29 @@ def install_megatron_replicas(model: Any, layers: Mapping[int, Sequence[int] | n
     """
     import torch
 
-    from placement.runtime import _megatron_layer, _param_device
+    from placement.runtime import _param_device, megatron_moe_layers
 
     maps = replica_maps(layers, num_experts)
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     installed = InstalledReplicas("Megatron", num_experts)
+    installed._model = model[0] if isinstance(model, (list, tuple)) and len(model) == 1 else model
     try:
-        for chunk in chunks:
-            parents = dict(chunk.named_modules())
-            for name, module in parents.items():
-                router = getattr(module, "router", None)
-                if router is None or not callable(getattr(module, "route", None)) or not hasattr(router, "config"):
-                    continue
-                layer = _megatron_layer(name, module, parents)
-                if layer not in maps:
-                    raise InvalidInputError(f"layer {layer}: a Megatron MoE layer ({name}) without a replica map")
-                p2l = maps[layer]
-                if int(router.config.num_moe_experts) != p2l.size:
-                    raise InvalidInputError(f"layer {layer}: the model has {router.config.num_moe_experts} expert slots, "
-                                            f"the replica map {p2l.size} (build the model with num_moe_experts = E + N)")
-                device = _param_device(torch, router)
-                installed._handles.append(_logical_router(module, num_experts, device))
-                cnt, table_t = _slot_table(torch, p2l, num_experts, device)
-                installed._route[layer] = (cnt, table_t)
-                installed._handles.append(_wrap_route(module, cnt, table_t, p2l.size))
-                local = list(module.local_expert_indices)
-                installed._layers[layer] = (p2l, int(local[0]), [_megatron_slot_params(module.experts, i, layer)
-                                                                 for i in range(len(local))])
+        for layer, name, module in megatron_moe_layers(model):
+            router = module.router
+            if layer not in maps:
+                raise InvalidInputError(f"layer {layer}: a Megatron MoE layer ({name}) without a replica map")
+            p2l = maps[layer]
+            if int(router.config.num_moe_experts) != p2l.size:
+                raise InvalidInputError(f"layer {layer}: the model has {router.config.num_moe_experts} expert slots, "
+                                        f"the replica map {p2l.size} (build the model with num_moe_experts = E + N)")
+            device = _param_device(torch, router)
+            installed._handles.append(_logical_router(module, num_experts, device))
+            cnt, table_t = _slot_table(torch, p2l, num_experts, device)
+            installed._route[layer] = (cnt, table_t)
+            installed._seen[layer] = torch.zeros(num_experts, dtype=torch.long, device=device)
+            installed._handles.append(_wrap_route(module, cnt, table_t, p2l.size, installed._seen[layer]))
+            local = list(module.local_expert_indices)
+            installed._layers[layer] = (p2l, int(local[0]), [_megatron_slot_params(module.experts, i, layer)
+                                                             for i in range(len(local))])
     except BaseException:
         installed.remove()
         raise
@@ -358,11 +353,12 @@ def _logical_router(moe_layer: Any, num_experts: int, device: Any) -> Any:
     return undo
 
 
-def _wrap_route(moe_layer: Any, cnt: Any, table_t: Any, num_physical: int) -> Any:
+def _wrap_route(moe_layer: Any, cnt: Any, table_t: Any, num_physical: int, seen: Any) -> Any:
     original = moe_layer.route
 
     def route(*args: Any, **kwargs: Any) -> Any:
         probs, routing_map = original(*args, **kwargs)
+        seen.add_(routing_map.detach().sum(0))
         slot = _split(routing_map, cnt, table_t)
         shape = (probs.shape[0], num_physical)
         return (probs.new_zeros(shape).scatter(1, slot, probs),
@@ -406,6 +402,7 @@ def install_torchtitan_replicas(model: Any, layers: Mapping[int, Sequence[int] |
 
     maps = replica_maps(layers, num_experts)
     installed = InstalledReplicas("TorchTitan", num_experts)
+    installed._model = model
     try:
         for raw_name, module in model.named_modules():
             experts = getattr(module, "routed_experts", None)
@@ -421,8 +418,9 @@ def install_torchtitan_replicas(model: Any, layers: Mapping[int, Sequence[int] |
             device = _param_device(torch, experts)
             cnt, table_t = _slot_table(torch, p2l, num_experts, device)
             installed._route[layer] = (cnt, table_t)
+            installed._seen[layer] = torch.zeros(num_experts, dtype=torch.long, device=device)
             installed._handles.append(experts.register_forward_pre_hook(
-                _titan_pre_hook(layer, cnt, table_t, num_experts, p2l.size)).remove)
+                _titan_pre_hook(layer, cnt, table_t, num_experts, p2l.size, installed._seen[layer])).remove)
             inner = experts.inner_experts
             per_rank = p2l.size // ep
             params = [p for _, p in sorted(inner.named_parameters())]
@@ -433,7 +431,7 @@ def install_torchtitan_replicas(model: Any, layers: Mapping[int, Sequence[int] |
     return installed
 
 
-def _titan_pre_hook(layer: int, cnt: Any, table_t: Any, num_experts: int, num_physical: int) -> Any:
+def _titan_pre_hook(layer: int, cnt: Any, table_t: Any, num_experts: int, num_physical: int, seen: Any) -> Any:
     import torch
 
     def pre_hook(_mod: Any, args: tuple) -> tuple:
@@ -448,6 +446,7 @@ def _titan_pre_hook(layer: int, cnt: Any, table_t: Any, num_experts: int, num_ph
             raise InvalidInputError(f"layer {layer}: TorchTitan per-expert counts sharded over experts are not supported")
         # this rank's tokens in index order (a token's k experts are distinct): the split of _split
         flat = ids_local.reshape(-1)
+        seen.add_(torch.bincount(flat.detach(), minlength=num_experts))
         onehot = torch.nn.functional.one_hot(flat, num_experts).bool()
         slot = _split(onehot, cnt, table_t).gather(1, flat[:, None]).reshape(ids_local.shape)
         # replicated counts stay whole; partial-sum counts are this rank's share, as the ids are

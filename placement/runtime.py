@@ -66,7 +66,7 @@ Expert parallelism needs nothing more: both stacks give EP rank ``r`` the slots
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,7 @@ import numpy as np
 from placement.model import InvalidInputError
 from placement.permutation import check_permutation, inverse_permutation, read_expert_permutation
 
-__all__ = ["ExpertMap", "InstalledMap", "expert_map", "install_megatron", "install_torchtitan", "remove"]
+__all__ = ["ExpertMap", "InstalledMap", "expert_map", "install_megatron", "install_torchtitan", "megatron_moe_layers", "remove"]
 
 
 @dataclass(frozen=True)
@@ -288,6 +288,22 @@ def _megatron_layer(name: str, module: Any, parents: Mapping[str, Any]) -> int:
     return int(number) - 1
 
 
+def megatron_moe_layers(model: Any) -> Iterator[tuple[int, str, Any]]:
+    """``(global model layer index, module name in its chunk, MoELayer)`` for every Megatron-Core
+    MoE layer of ``model`` (a module, wrappers included, or the list of model chunks one pipeline
+    rank holds), in module order; an MoE layer is a module with a ``route`` method and a ``router``
+    that has a ``config`` (Megatron-Core 0.16.1 ``MoELayer``).  The one walk that the expert map
+    (:func:`install_megatron`) and the replica dispatch (:mod:`placement.replica_runtime`) share."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        parents = dict(chunk.named_modules())
+        for name, module in parents.items():
+            router = getattr(module, "router", None)
+            if router is None or not callable(getattr(module, "route", None)) or not hasattr(router, "config"):
+                continue
+            yield _megatron_layer(name, module, parents), name, module
+
+
 def install_megatron(model: Any, layers: Any, *, strict: bool = True) -> InstalledMap:
     """Install the map on every MoE layer of a Megatron-Core model, or a list of model chunks.
 
@@ -311,31 +327,25 @@ def install_megatron(model: Any, layers: Any, *, strict: bool = True) -> Install
     import torch
 
     maps, _ = _read_maps(layers)
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     installed = InstalledMap("Megatron")
     found: set[int] = set()
     try:
-        for chunk in chunks:
-            parents = dict(chunk.named_modules())
-            for name, module in parents.items():
-                router = getattr(module, "router", None)
-                if router is None or not callable(getattr(module, "route", None)) or not hasattr(router, "config"):
-                    continue
-                layer = _megatron_layer(name, module, parents)
-                found.add(layer)
-                if layer not in maps:
-                    raise InvalidInputError(f"layer {layer}: a Megatron MoE layer ({name}) without an expert map")
-                num_experts = int(router.config.num_moe_experts)
-                if len(maps[layer].phy2log) != num_experts:
-                    raise InvalidInputError(
-                        f"layer {layer}: map has {len(maps[layer].phy2log)} experts, the router {num_experts}"
-                    )
-                if layer in installed._tensors:
-                    raise InvalidInputError(f"layer {layer}: two Megatron MoE modules claim this layer ({name})")
-                if "route" in vars(module):
-                    raise InvalidInputError(f"layer {layer}: {name} already has an expert map installed")
-                p2l, _ = installed._add_layer(torch, layer, maps[layer], _param_device(torch, router))
-                installed._handles.append(_override_route(module, p2l))
+        for layer, name, module in megatron_moe_layers(model):
+            router = module.router
+            found.add(layer)
+            if layer not in maps:
+                raise InvalidInputError(f"layer {layer}: a Megatron MoE layer ({name}) without an expert map")
+            num_experts = int(router.config.num_moe_experts)
+            if len(maps[layer].phy2log) != num_experts:
+                raise InvalidInputError(
+                    f"layer {layer}: map has {len(maps[layer].phy2log)} experts, the router {num_experts}"
+                )
+            if layer in installed._tensors:
+                raise InvalidInputError(f"layer {layer}: two Megatron MoE modules claim this layer ({name})")
+            if "route" in vars(module):
+                raise InvalidInputError(f"layer {layer}: {name} already has an expert map installed")
+            p2l, _ = installed._add_layer(torch, layer, maps[layer], _param_device(torch, router))
+            installed._handles.append(_override_route(module, p2l))
         _check_found(maps, found, strict, "Megatron")
     except BaseException:
         installed.remove()

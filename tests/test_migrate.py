@@ -9,6 +9,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from placement.controller import ReplacementController
 from placement.migrate import MAP_KIND, MigrationError, load_map, map_state, maps_from_state, plan_moves, save_map
@@ -40,11 +42,48 @@ def test_plan_turns_the_old_map_into_the_new_one_and_moves_only_what_changes(see
     assert cross == sum(rank_old[e] != rank_new[e] for e in range(n))
 
 
-def test_plan_refuses_what_is_not_a_permutation():
-    with pytest.raises(InvalidInputError, match="permutations"):
+def test_plan_refuses_maps_that_lose_an_expert():
+    with pytest.raises(InvalidInputError, match="every expert"):
         plan_moves([0, 1, 2, 2], [0, 1, 2, 3], 2)
+    with pytest.raises(InvalidInputError, match="every expert"):  # a re-plan dropping expert 3's last slot
+        plan_moves([0, 1, 2, 3, 3, 0], [0, 1, 2, 0, 1, 2], 2)
+    with pytest.raises(InvalidInputError, match="every expert"):
+        plan_moves([0, 1, 2, 3], [0, 1, 2, 3, 0, 1], 2)
     with pytest.raises(InvalidInputError, match="do not split"):
         plan_moves([0, 1, 2], [2, 1, 0], 2)
+
+
+def test_plan_of_replicas_counted_by_hand():
+    # 4 experts, 6 slots on 2 ranks (3 a rank): expert 0 replicated on rank 1, then expert 2 instead,
+    # and expert 1's rank-0 slot swapped with expert 3's
+    old = [0, 1, 2, 3, 0, 1]
+    new = [0, 3, 2, 1, 2, 1]
+    # slot 1 takes 3 from slot 3 (rank 1, the only holder); slot 3 takes 1 from slot 5 (its own rank,
+    # not slot 1 on rank 0); slot 4 takes 2 from slot 2 (the only holder)
+    assert plan_moves(old, new, 2) == [(3, 1), (5, 3), (2, 4)]
+    assert plan_moves(old, old, 2) == []
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_plan_of_replica_maps_reaches_the_new_map_copying_each_expert_from_a_holder(data):
+    ep = data.draw(st.sampled_from([1, 2, 4]))
+    e = data.draw(st.integers(2, 8))
+    n = ep * data.draw(st.integers(-(-e // ep), -(-e // ep) + 2))
+
+    def a_map() -> list[int]:
+        extra = data.draw(st.lists(st.integers(0, e - 1), min_size=n - e, max_size=n - e))
+        return data.draw(st.permutations(list(range(e)) + extra))
+
+    old, new = a_map(), a_map()
+    moves = plan_moves(old, new, ep)
+    assert _apply(old, moves) == new
+    assert [d for _, d in moves] == sorted({d for _, d in moves})
+    assert {d for _, d in moves} == {p for p in range(n) if old[p] != new[p]}
+    per_rank = n // ep
+    for s, d in moves:  # a local holder is preferred when the rank has one
+        holders_here = [p for p in range(n) if old[p] == new[d] and p // per_rank == d // per_rank]
+        assert (s // per_rank == d // per_rank) == bool(holders_here)
 
 
 def test_the_map_entry_round_trips_and_rejects_bad_files(tmp_path):
@@ -62,6 +101,22 @@ def test_the_map_entry_round_trips_and_rejects_bad_files(tmp_path):
     (tmp_path / "v2.json").write_text(json.dumps(dict(state, version=2)))
     with pytest.raises(InvalidInputError, match=r"v2.json: version: expected 1"):
         load_map(tmp_path / "v2.json")
+
+
+def test_a_replica_map_entry_round_trips_with_its_expert_count(tmp_path):
+    maps = {0: [0, 1, 5, 2, 3, 0, 4, 5, 1, 6, 7, 4], 1: list(range(8)) + [0, 1, 2, 3]}
+    state = map_state(maps)
+    assert state["num_experts"] == 8 and "num_experts" not in map_state({0: [1, 0]})
+    save_map(tmp_path / "rep.json", maps)
+    assert {k: v.tolist() for k, v in load_map(tmp_path / "rep.json").items()} == maps
+    with pytest.raises(InvalidInputError, match=r"layers.0: expected every expert 0..7"):  # expert 7 lost
+        maps_from_state(dict(state, layers={"0": [0, 1, 5, 2, 3, 0, 4, 5, 1, 6, 6, 4]}))
+    with pytest.raises(InvalidInputError, match=r"layers.0: expected every expert 0..7"):  # an id >= E
+        maps_from_state(dict(state, layers={"0": list(range(8)) + [8, 0, 0, 0]}))
+    with pytest.raises(InvalidInputError, match=r"expert_map: num_experts: expected a positive integer"):
+        maps_from_state(dict(state, num_experts="8"))
+    with pytest.raises(InvalidInputError, match=r"layers.0: expected a list of expert ids"):
+        maps_from_state(dict(state, layers={"0": [0.5, 1]}))
 
 
 def test_unsupported_optimizers_are_refused_in_one_line():

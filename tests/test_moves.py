@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import placement
 from placement.cli import main
-from placement.model import InvalidInputError, Placement, SolverError
+from placement.model import InvalidInputError, Placement
 from placement.moves import (
     MoveRequest,
     count_moves,
@@ -28,9 +28,11 @@ from solvers.experts.moves import (
     MovePlan,
     MoveSwapKernel,
     allocate_moves,
+    group_preserving_start,
     keep_previous_slots,
+    keeps_group_types,
 )
-from solvers.experts.problem import build_layer_problem
+from solvers.experts.problem import build_layer_problem, is_structurally_valid
 from tests.conftest import INSTANCES, random_instance, random_placement
 
 PARAMS = 1000  # parameters per expert for instances without a performance block
@@ -123,6 +125,63 @@ def test_previous_classes_keep_the_previous_slots(tiny):
         slots[row] = np.arange(tiny.model.num_experts)
         out = keep_previous_slots(problem, problem.slot2class[slots], slots)
         assert np.array_equal(out, slots)
+
+
+def test_a_free_previous_map_keeps_its_slots_in_a_group_preserving_problem(tiny):
+    """The regression behind the free-map re-placement on tiny's small-node default layout: two
+    experts of different groups and nodes swapped break every group's class make-up, and
+    ``keep_previous_slots`` (through ``_bins``) raised 'fits no group position type'."""
+    prev = default_placement(tiny)
+    problem = build_layer_problem(tiny, prev.rank2gpu, 1, group_preserving=True)
+    E = tiny.model.num_experts
+    slots = np.arange(E)
+    slots[[0, E - 1]] = slots[[E - 1, 0]]
+    e2c = problem.slot2class[slots]
+    assert not keeps_group_types(problem, e2c) and not is_structurally_valid(problem, e2c)
+    assert np.array_equal(keep_previous_slots(problem, e2c, slots), slots)
+
+
+def test_a_free_previous_map_re_placed_with_free_moves_gains_and_is_deterministic(tiny):
+    """Re-placing from a free previous map on tiny's small-node default layout with free moves (the
+    searches start at its nearest group-preserving map): a valid placement, no more sampled
+    cross-domain bytes than the previous one, the same bytes twice."""
+    from placement.cost import evaluate
+
+    prev = default_placement(tiny)
+    swapped = prev.phy2log.copy()
+    swapped[:, [0, -1]] = swapped[:, [-1, 0]]
+    previous = Placement(prev.rank2gpu, swapped)
+    runs = [placement.solve(tiny, time_limit_s=10, num_workers=1, previous=previous, move_cost=0.0) for _ in range(2)]
+    assert np.array_equal(runs[0].placement.phy2log, runs[1].placement.phy2log)
+    assert np.array_equal(runs[0].placement.rank2gpu, prev.rank2gpu)
+    assert (evaluate(tiny.for_solver(), runs[0].placement).cross_domain_bytes_per_step
+            <= evaluate(tiny.for_solver(), previous).cross_domain_bytes_per_step)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.booleans())
+def test_the_group_preserving_start_is_the_cheapest_group_preserving_map_by_brute_force(tiny, seed, free):
+    """``group_preserving_start`` against every one of the 2**16 class maps of tiny's two-class layer."""
+    rng = np.random.default_rng(seed)
+    prev = default_placement(tiny)
+    problem = build_layer_problem(tiny, prev.rank2gpu, 0, group_preserving=True)  # two nodes of 8
+    E, C = problem.num_experts, problem.num_classes
+    assert C == 2 and E == 16  # the brute force below enumerates {0, 1}**16
+    prices = rng.integers(0, 5, size=(E, C)).astype(np.float64)
+    slots = rng.permutation(E) if free else np.arange(E)
+    start = problem.slot2class[slots]
+    got = group_preserving_start(problem, start, prices)
+    assert is_structurally_valid(problem, got)
+    if keeps_group_types(problem, start):
+        assert np.array_equal(got, start)
+        return
+    every = (np.arange(2 ** E)[:, None] >> np.arange(E)[None, :]) & 1  # (2**16, E) class maps
+    gs = problem.expert_group_size
+    make_up = every.reshape(-1, E // gs, gs).sum(axis=2)  # class-1 experts per group
+    want_types = np.sort(problem.position_class_count[:, 1])
+    valid = every[(np.sort(make_up, axis=1) == want_types[None, :]).all(axis=1)]
+    costs = prices[np.arange(E)[None, :], valid].sum(axis=1)
+    assert prices[np.arange(E), got].sum() == pytest.approx(costs.min())
 
 
 def _cand(name, crossings, replicas):
@@ -257,10 +316,6 @@ def test_cli_previous_default_with_a_zero_budget_writes_the_default_placement(tm
     assert doc["phy2log"] == want.phy2log.tolist() and doc["rank2gpu"] == want.rank2gpu.tolist()
 
 
-@pytest.mark.xfail(strict=True, raises=SolverError, reason=(
-    "known regression of the dispatcher's node rule: the expert search's classes are HybridEP nodes, and a "
-    "re-placement from a free previous map on tiny's small-node default layout raises 'expert group fits no "
-    "group position type' (solvers/experts/moves.py _bins)"))
 def test_a_checkpoint_re_placement_keeps_groups_whole_and_accepts_only_a_group_preserving_previous(tiny):
     """With ``apply="checkpoint"`` a re-placement of a group-limited model keeps expert groups whole
     although its rank layout is fixed; the check of the previous placement applies the same rule, and

@@ -322,16 +322,30 @@ def test_vllm_maps_reproduce_vllms_documented_example():
     assert doc["logical_to_physical_map"] == want_l2p and doc["logical_replica_count"] == want_count
 
 
-def test_replan_refuses_the_distributed_optimizer_and_a_moved_permutation():
-    pytest.importorskip("torch")
+def test_replica_map_update_checks_every_map_before_writing_and_replan_needs_a_model():
+    torch = pytest.importorskip("torch")
     from placement import replica_runtime as rr
 
-    with pytest.raises(InvalidInputError, match="^optimizer: Megatron-Core's DistributedOptimizer"):
-        rr._torch_optimizers(SimpleNamespace(chained_optimizers=[SimpleNamespace(model_param_group_index_map={})]))
     installed = rr.InstalledReplicas("TorchTitan", 4)
-    installed._layers[0] = (np.array([0, 1, 3, 2, 3, 0]), 0, [[], [], []])
-    with pytest.raises(InvalidInputError, match="changes only redundant slots"):
-        installed.replan({0: [1, 0, 3, 2, 3, 0]})
+    for layer in (0, 1):
+        p2l = np.array([0, 1, 3, 2, 3, 0])
+        installed._layers[layer] = (p2l, 0, [[], [], []])
+        installed._route[layer] = rr._slot_table(torch, p2l, 4, torch.device("cpu"))
+    with pytest.raises(InvalidInputError, match="experts \\[3\\] have no slot"):  # layer 1 bad: layer 0 unwritten
+        installed.update({0: [1, 0, 3, 2, 3, 0], 1: [0, 1, 2, 2, 1, 0]})
+    with pytest.raises(InvalidInputError, match="8 slots, the model 6"):
+        installed.update({0: [0, 1, 2, 3, 0, 1, 2, 3]})
+    assert installed.phy2log(0).tolist() == [0, 1, 3, 2, 3, 0]
+    # the permutation slots may move too (placement.migrate moves their state)
+    assert installed.update({0: [1, 0, 3, 2, 1, 0], 1: [0, 1, 3, 2, 3, 0]}) == [0]
+    cnt, table_t = installed._route[0]
+    # (N + 1, E) slots of each expert, padded with its first: 0 in slots 1, 5; 1 in 0, 4; 2 in 3; 3 in 2
+    assert cnt.tolist() == [2, 2, 1, 1] and table_t.tolist() == [[1, 0, 3, 2], [5, 4, 3, 2], [1, 0, 3, 2]]
+    with pytest.raises(InvalidInputError, match="^replan: this InstalledReplicas has no model"):
+        installed.replan({0: [0, 1, 3, 2, 3, 0]}, None)
+    installed._model = object()
+    with pytest.raises(InvalidInputError, match="^group: a TorchTitan re-plan needs the EP process group"):
+        installed.replan({0: [0, 1, 3, 2, 3, 0]}, None)
 
 
 def test_maps_from_recent_loads_keep_the_permutation_and_follow_the_new_hot_expert():

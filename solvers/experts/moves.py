@@ -18,7 +18,9 @@ Per layer (in the layer's worker, after :func:`solvers.experts.layer.solve_layer
   ``crossings + lambda * L`` from the previous map and from the solved map, for a fixed ladder of
   ``lambda`` (multiples of the solved map's crossings saved per moved replica, and the move cost's
   own price).  Group-preserving layers swap only inside expert groups, so every candidate keeps
-  groups whole.
+  groups whole; from a free previous map (``apply`` runtime takes any map) these searches start at
+  its nearest group-preserving map (:func:`group_preserving_start`), and only the previous map and
+  its rebalanced variants stay free (their bins are per class, :func:`keeps_group_types`).
 * **Previous GPUs first.** :func:`keep_previous_slots` turns a class map into slots: an expert
   whose previous slot lies in its bin (class, and group position) keeps that slot; the others fill
   the vacated slots heaviest first onto the least-loaded rank (:func:`solvers.kernels.lpt_pack`).
@@ -46,7 +48,7 @@ from solvers.experts.problem import LayerProblem, NetSet, group2type_of, net_cro
 from solvers.experts.tuning import MAX_SWAPS
 from solvers.kernels import NetSwapSearch, lpt_pack
 
-__all__ = ["MOVE_RESERVE_SHARE", "cheap_frontier", "SEARCH_SHARE", "REBALANCE_SWAPS", "StepCurrency", "build_plan_for", "previous_check", "LayerMoves", "MoveCandidate", "MovePlan", "MoveSwapKernel", "build_move_plan", "keep_previous_slots",
+__all__ = ["MOVE_RESERVE_SHARE", "cheap_frontier", "SEARCH_SHARE", "REBALANCE_SWAPS", "StepCurrency", "build_plan_for", "previous_check", "LayerMoves", "MoveCandidate", "MovePlan", "MoveSwapKernel", "build_move_plan", "keep_previous_slots", "keeps_group_types", "group_preserving_start",
            "move_frontier", "allocate_moves", "LAMBDA_LADDER"]
 
 # Multiples of the solved map's crossings saved per moved (weighted) replica tried as move prices.
@@ -190,11 +192,56 @@ def _class_prices(problem: LayerProblem, lm: LayerMoves) -> np.ndarray:
     return out
 
 
+def keeps_group_types(problem: LayerProblem, expert2class: np.ndarray) -> bool:
+    """Whether every expert group's class make-up is that of a group position (always True in free
+    mode).  A free previous map (``apply`` runtime takes any map) may break it; on a layout whose
+    classes are small HybridEP nodes (:mod:`placement.dispatch`) a single swap of two experts of
+    different groups does."""
+    if not problem.group_preserving:
+        return True
+    _, type_count, _ = problem.position_types
+    gs = problem.expert_group_size
+    cnt = np.stack([np.bincount(expert2class[p * gs:(p + 1) * gs], minlength=problem.num_classes)
+                    for p in range(problem.num_group_positions)])  # (P, C)
+    return bool(((cnt[:, None, :] == type_count[None, :, :]).all(axis=2).sum(axis=1) == 1).all())
+
+
+def group_preserving_start(problem: LayerProblem, expert2class: np.ndarray, prices: np.ndarray) -> np.ndarray:
+    """(E,) the group-preserving class map nearest ``expert2class`` in move prices: ``expert2class``
+    itself when it keeps groups whole (and in free mode); else each expert group on one group position
+    (a min-cost assignment of groups to positions) with its experts on that position's classes (a
+    min-cost assignment inside the group), both on ``prices`` (E, C), the replicas moved if an
+    expert sits in a class (:func:`_class_prices`).
+
+    The searches of :func:`move_frontier` in group-preserving mode start here from a free previous
+    map: they keep groups whole, so they need a start that does."""
+    if keeps_group_types(problem, expert2class):
+        return np.asarray(expert2class, dtype=np.int64).copy()
+    from scipy.optimize import linear_sum_assignment
+
+    from solvers.kernels import assign_to_counts
+
+    gs, P = problem.expert_group_size, problem.num_group_positions
+    counts = problem.position_class_count  # (P, C)
+    cost = np.empty((P, P))
+    inner: dict[tuple[int, int], np.ndarray] = {}
+    for g in range(P):
+        for p in range(P):
+            inner[g, p], cost[g, p] = assign_to_counts(prices[g * gs:(g + 1) * gs], counts[p], method="slots")
+    rows, cols = linear_sum_assignment(cost)
+    out = np.empty(problem.num_experts, dtype=np.int64)
+    for g, p in zip(rows.tolist(), cols.tolist()):
+        out[g * gs:(g + 1) * gs] = inner[g, p]
+    return out
+
+
 def _bins(problem: LayerProblem, expert2class: np.ndarray, prev_slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Slots and the experts that must fill them: per class, and per group position in group-preserving
     mode, where an expert group keeps its previous position when that position's type fits."""
     s2c = problem.slot2class
-    if not problem.group_preserving:
+    if not problem.group_preserving or not keeps_group_types(problem, expert2class):
+        # free mode, or a map that breaks expert groups (a free previous map, which apply runtime
+        # takes, and its rebalanced variants): per class only
         return [(np.flatnonzero(s2c == c), np.flatnonzero(expert2class == c)) for c in range(problem.num_classes)]
     gs = problem.expert_group_size
     P = problem.num_group_positions
@@ -358,7 +405,9 @@ def move_frontier(problem: LayerProblem, solved_slots: np.ndarray, lm: LayerMove
     best = min(out, key=lambda c: c.crossings)
     gain = out[0].crossings - best.crossings
     L = _class_prices(problem, lm)
-    prev_e2c = problem.slot2class[prev]
+    # the searches keep expert groups whole in group-preserving mode: from a free previous map they
+    # start at its nearest group-preserving map
+    prev_e2c = group_preserving_start(problem, problem.slot2class[prev], L)
     cap = problem.load_cap(load_tolerance)
     lambdas: list[tuple[str, float]] = []
     if lm.price is not None:

@@ -11,10 +11,18 @@ Per layout three jobs of five steps on the same batches: ``ref`` (8 experts, no 
 (the replica model: expert slot ``p`` starts from logical expert ``phy2log[p]``'s weights, the
 dense and router weights copied from ``ref``, :func:`placement.replica_runtime.install_megatron_replicas`,
 ``reduce_grads`` before ``finish_grad_sync``) and ``skip`` (the same without ``reduce_grads``).
-``ep4`` also runs ``replan`` (``rep`` whose redundant slots take other experts after step
-``REPLAN_AT``, :meth:`~placement.replica_runtime.InstalledReplicas.replan` with the optimizer
-state) and ``replan_no_state`` (the same re-plan moving the weights only).  Each
-rank writes per job and step the mean loss, every expert gradient by logical expert before the DP
+Live re-plans, :meth:`~placement.replica_runtime.InstalledReplicas.replan` (``placement.migrate``):
+
+- ``ep4/replan``: ``rep`` whose redundant slots take other experts after step ``REPLAN_AT``
+  (``REPLAN``, weights and Adam state moved); ``ep4/replan_no_state``: the same, then the moved
+  slots' Adam moments zeroed (a replica created with fresh optimizer state);
+- ``ep2_edp2/replan``: ``rep`` under :class:`placement.controller.ReplicaController` (``hottest``,
+  a re-plan every 2 steps from the last step's routing counts, so after steps 1 and 3), moving
+  the DistributedOptimizer's shards; ``ep2_edp2/replan_skip``: the same without ``reduce_grads``;
+  ``ep2_edp2/replan_no_state``: the same as ``replan``, then the moved slots' shards of the Adam
+  moments zeroed.
+
+Each rank writes per job and step the mean loss, every expert gradient by logical expert before the DP
 reduction (the replica job's slots after the replica sum) and every expert weight by logical
 expert after the step, gathered from all ranks, to ``OUT_DIR/rank{RANK}.json``.
 """
@@ -39,6 +47,8 @@ EP = {"ep4": 4, "ep2_edp2": 2}
 # the live re-plan (ep4, after step REPLAN_AT): other experts in the redundant slots (each rank's 3rd)
 REPLAN_AT = 1
 REPLAN = {0: [0, 1, 6, 2, 3, 7, 4, 5, 0, 6, 7, 2], 1: [0, 1, 4, 2, 3, 5, 4, 5, 1, 6, 7, 3]}
+# ep2_edp2's controller: a re-plan every CONTROL_EVERY steps from the last CONTROL_WINDOW steps' routing
+CONTROL_EVERY, CONTROL_WINDOW = 2, 1
 
 
 def _gpt(seed: int, num_experts: int, ep: int) -> Any:
@@ -140,6 +150,35 @@ def _dense_grads(model: Any) -> dict[str, list[float]]:
             if ".experts." not in n and p.requires_grad}
 
 
+def _forget_state(model: Any, opt: Any, before: dict, after: dict) -> int:
+    """Zero the Adam moments (this rank's part: the whole tensor, or its DistributedOptimizer shard)
+    of every local slot whose logical expert changed; the wrong re-plan the tests must catch.
+    Returns the tensors zeroed."""
+    from megatron.core import parallel_state as ps
+
+    from placement import migrate as mg
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    states, dopts = mg._optimizer_states(opt), mg._distributed_optimizers(opt)
+    zeroed = 0
+    for layer in model.decoder.layers:
+        li = int(layer.layer_number) - 1
+        per_rank = len(layer.mlp.experts.local_experts)
+        for i, expert in enumerate(layer.mlp.experts.local_experts):
+            slot = ep_rank * per_rank + i
+            if before[li][slot] == after[li][slot]:
+                continue
+            params = [(n, p, None) for n, p in expert.named_parameters()]
+            fields, _ = mg._slot_fields("megatron", params, states)
+            shards, _ = mg._shard_fields(params, dopts)
+            tensors = [f.view() for f in fields if f.kind == "optimizer"]
+            tensors += [t for sh in shards for kind, _n, t in sh.tensors if kind == "optimizer"]
+            for t in tensors:
+                t.zero_()
+            zeroed += len(tensors)
+    return zeroed
+
+
 def job(layout: str, mode: str, rank: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -148,16 +187,23 @@ def job(layout: str, mode: str, rank: int) -> dict:
     from tests.stacks.tiny import megatron_batch
 
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=EP[layout])
+    from placement.controller import ReplicaController
+
     model, ddp, opt, installed = _build(layout, mode != "ref")
     maps = dict(MAPS[layout])
-    out: dict[str, Any] = {"losses": [], "expert_grads": [], "dense_grads": [], "weights": []}
+    out: dict[str, Any] = {"losses": [], "expert_grads": [], "dense_grads": [], "weights": [], "replans": [],
+                           "zeroed": 0}
+    control = None
+    if installed is not None and layout == "ep2_edp2" and mode.startswith("replan"):
+        control = ReplicaController(installed, opt, rule="hottest", every_steps=CONTROL_EVERY,
+                                    window_steps=CONTROL_WINDOW)
     for step in range(STEPS):
         tokens, pos, mask, labels = megatron_batch(step * 10 + rank)
         ddp.zero_grad_buffer()
         opt.zero_grad()
         loss = ddp(tokens, pos, mask, labels=labels).float().mean()
         loss.backward()
-        if installed is not None and mode != "skip":
+        if installed is not None and mode not in ("skip", "replan_skip"):
             installed.reduce_grads()
         out["expert_grads"].append(_by_logical(model, maps, mode != "ref", grads=True))
         out["dense_grads"].append(_dense_grads(model))
@@ -167,9 +213,21 @@ def job(layout: str, mode: str, rank: int) -> dict:
         dist.all_reduce(total)
         out["losses"].append(float(total.item()) / dist.get_world_size())
         out["weights"].append(_by_logical(model, maps, mode != "ref", grads=False))
-        if installed is not None and mode in ("replan", "replan_no_state") and step == REPLAN_AT:
-            out["replanned"] = installed.replan(REPLAN, opt, copy_optimizer_state=mode == "replan")
-            maps = dict(REPLAN)
+        if installed is not None and mode.startswith("replan"):
+            before = {k: list(v) for k, v in maps.items()}
+            if control is not None:
+                entry = control.after_step(step)
+                if entry is not None:
+                    out["replans"].append({k: entry[k] for k in ("step", "decision", "loads", "maps", "changed")})
+            elif step == REPLAN_AT:
+                report = installed.replan(REPLAN, opt)
+                live = {li: installed.phy2log(li).tolist() for li in installed.layers}
+                out["replans"].append({"step": step, "decision": "applied", "maps": live,
+                                       "changed": sorted(li for li in live if live[li] != before[li]),
+                                       "moved_replicas": report.moved_replicas_per_layer})
+            maps = {li: installed.phy2log(li).tolist() for li in installed.layers}
+            if mode == "replan_no_state":
+                out["zeroed"] += _forget_state(model, opt, before, maps)
     if installed is not None:
         installed.remove()
     ps.destroy_model_parallel()
@@ -185,7 +243,8 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result: dict[str, Any] = {}
     for layout in ("ep4", "ep2_edp2"):
-        for mode in ("ref", "rep", "skip") + (("replan", "replan_no_state") if layout == "ep4" else ()):
+        replans = ("replan", "replan_no_state") + (("replan_skip",) if layout == "ep2_edp2" else ())
+        for mode in ("ref", "rep", "skip") + replans:
             try:
                 result[f"{layout}/{mode}"] = job(layout, mode, rank)
             except Exception as exc:  # recorded: the test names the job that failed

@@ -4,9 +4,11 @@ skipping the replicas' gradient sum breaks that.
 
 Megatron-Core 0.16.1 (``tests/stacks/replicas_megatron_job.py``, 4 processes): EP4 with the plain
 optimizer, and EP2 x expert-DP 2 with the DistributedOptimizer, the ``alltoall`` dispatcher and
-``SequentialMLP`` experts; EP4 also across one live re-plan of the redundant slots after step 1
-(``InstalledReplicas.replan`` copying weights and Adam state), which fails when only the weights
-move.  TorchTitan 0.3.0 (``tests/stacks/replicas_titan_job.py``, 4 processes):
+``SequentialMLP`` experts; both also across live re-plans (``InstalledReplicas.replan``, which runs
+``placement.migrate.migrate``): EP4 after step 1 to a fixed map, EP2 x expert-DP 2 by
+``placement.controller.ReplicaController`` from the last step's routing after steps 1 and 3,
+moving the DistributedOptimizer's shards.  Each fails when the moved slots' Adam moments are
+not carried (zeroed), and EP2 x expert-DP 2 across the re-plans fails without the gradient sum.  TorchTitan 0.3.0 (``tests/stacks/replicas_titan_job.py``, 4 processes):
 one MoE layer with EP2 x TP2 (``full_dtensor``), five SGD steps; its ``GroupedExperts`` rounds each
 slot's weight gradient to BF16, so there the bar is BF16's: measured largest differences with the
 replica sum 2.0e-3 (gradients), 3.3e-4 (loss), 2.0e-4 (weights), against 0.50, 0.16 and 0.046 without it.
@@ -115,16 +117,58 @@ def test_titan_job_without_the_replica_gradient_sum_differs(titan):
         assert rank["skip"]["loss"] >= 10 * BF16_TOL["loss"], rank
 
 
-def test_megatron_live_replan_keeps_the_job_equal_to_the_job_without_replicas(megatron):
-    # after step 1 every rank's redundant slot takes another expert, weights and Adam state copied
+@pytest.mark.parametrize("layout", ["ep4", "ep2_edp2"])
+def test_megatron_live_replan_keeps_the_job_equal_to_the_job_without_replicas(megatron, layout):
+    # ep4: after step 1 every rank's redundant slot takes another expert (REPLAN); ep2_edp2: the
+    # ReplicaController re-plans from the last step's routing after steps 1 and 3, moving the
+    # DistributedOptimizer's shards.  Weights and Adam state go with every created replica.
+    errors = [r[k] for r in megatron for k in r if k.endswith("_error")]
+    assert not errors, errors[0]
     for rank in megatron:
-        run = rank["ep4/replan"]
-        assert run["replanned"] == [0, 1]
-        loss, grad, weight = max_diff(rank["ep4/ref"], run)
+        run = rank[f"{layout}/replan"]
+        applied = [e for e in run["replans"] if e["decision"] == "applied"]
+        assert applied and all(e["changed"] for e in applied), run["replans"]
+        if layout == "ep4":
+            assert applied[0]["changed"] == [0, 1]
+        loss, grad, weight = max_diff(rank[f"{layout}/ref"], run)
         assert loss <= TOL and grad <= TOL and weight <= TOL, (loss, grad, weight)
+        # every slot of a re-planned expert is compared: the new replicas hold the expert's weights
+        last = run["weights"][-1]
+        final = {int(k): v for k, v in applied[-1]["maps"].items()}
+        for li, row in final.items():
+            for e in set(row):
+                assert len(last[f"{li}/{e}/linear_fc1.weight"]) == row.count(e)
 
 
-def test_megatron_live_replan_without_the_optimizer_state_differs(megatron):
+def test_megatron_controller_replans_from_the_last_steps_routing_on_every_rank_alike(megatron):
+    from placement.replica_runtime import replica_plan
+    from tests.stacks.replicas_megatron_job import CONTROL_EVERY, MAPS
+    from tests.stacks.tiny import NUM_EXPERTS, TOP_K
+
+    runs = [rank["ep2_edp2/replan"]["replans"] for rank in megatron]
+    assert all(r == runs[0] for r in runs)  # the same loads and maps on every rank, no broadcast
+    assert [e["step"] for e in runs[0]] == [CONTROL_EVERY - 1, 2 * CONTROL_EVERY - 1]
+    current = {li: list(row) for li, row in MAPS["ep2_edp2"].items()}
+    for entry in runs[0]:
+        for key, loads in entry["loads"].items():
+            li = int(key)
+            # one step's window: 4 ranks x 16 tokens x top-2, summed over the job
+            assert sum(loads) == 4 * 16 * TOP_K
+            want = replica_plan(current[li], loads, NUM_EXPERTS, 2, "hottest").tolist()
+            assert entry["maps"][key] == want
+            assert (li in entry["changed"]) == (want != current[li])
+            current[li] = want
+
+
+@pytest.mark.parametrize("layout", ["ep4", "ep2_edp2"])
+def test_megatron_live_replan_without_the_optimizer_state_differs(megatron, layout):
+    assert sum(rank[f"{layout}/replan_no_state"]["zeroed"] for rank in megatron) > 0
     for rank in megatron:
-        loss, grad, weight = max_diff(rank["ep4/ref"], rank["ep4/replan_no_state"])
+        loss, grad, weight = max_diff(rank[f"{layout}/ref"], rank[f"{layout}/replan_no_state"])
+        assert weight > 1e-4, (loss, grad, weight)
+
+
+def test_megatron_live_replan_without_the_replica_gradient_sum_differs(megatron):
+    for rank in megatron:
+        loss, grad, weight = max_diff(rank["ep2_edp2/ref"], rank["ep2_edp2/replan_skip"])
         assert grad > 1e-3 and weight > 1e-4, (loss, grad, weight)
