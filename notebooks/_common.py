@@ -10,6 +10,7 @@ a cost of its own.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from pathlib import Path
 
@@ -30,6 +31,7 @@ __all__ = [
     "figures_dir",
     "save_figure",
     "gb",
+    "small_png",
 ]
 
 
@@ -135,12 +137,49 @@ def figures_dir() -> Path:
     return Path(placement.__file__).resolve().parent.parent / "docs" / "figures"
 
 
+def small_png(fig, dpi: float | None = None) -> bytes:
+    """``fig`` as a PNG of at most 256 colours (no dithering, no timestamp metadata).
+
+    Line and bar plots use a few dozen colours, so the palette loses nothing visible and the file
+    is about a third of matplotlib's RGBA PNG: the notebooks are committed with their outputs and
+    the repository must stay small.
+    """
+    from PIL import Image
+
+    raw = io.BytesIO()
+    fig.savefig(raw, format="png", dpi=dpi or fig.dpi, bbox_inches="tight", metadata={"Software": None})
+    raw.seek(0)
+    img = Image.open(raw).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT,
+                                                  dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    img.save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+def _use_small_inline_pngs() -> None:
+    """In a Jupyter kernel, show matplotlib figures as :func:`small_png` (outside one, do nothing)."""
+    try:
+        from IPython import get_ipython
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and hasattr(shell, "display_formatter"):
+        shell.display_formatter.formatters["image/png"].for_type(Figure, small_png)
+
+
+_use_small_inline_pngs()
+
+
 def save_figure(fig, filename: str) -> Path:
-    """Save ``fig`` as a PNG under :func:`figures_dir` (no timestamp metadata) and return the path."""
+    """Save ``fig`` as a :func:`small_png` under :func:`figures_dir` and return the path
+    (``.png`` is appended when ``filename`` has no suffix)."""
     out = figures_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / filename
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    path.write_bytes(small_png(fig, dpi=110))
     return path
 
 
