@@ -158,7 +158,7 @@ class InstalledReplicas:
                     for req in dist.batch_isend_irecv(ops):
                         req.wait()
             for e in sorted(partial):
-                total = None
+                total: Any = None
                 for h in holders[e]:
                     part = partial[e] if h == me else received.get((e, h))
                     if part is None:  # not distributed: a single process holds every slot
