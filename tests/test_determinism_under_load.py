@@ -6,10 +6,10 @@ and identical to a third run made alone.  The work of every step is sized by pre
 never by the clock, and the budgets leave the wall-clock safety net enough room not to fire.  (On a
 machine already loaded by other work the safety net may fire and the test fail.)
 
-The limit is 150 s, not the default 100 s: since the evaluator became dearer (the dispatcher's node
-rule, the lasting load, the pipeline split), the expert phase's local searches, which its work
-budget does not size (CP-SAT gets none of it on dsv3_256), take 59-65 s of a dsv3_256 solve alone
-on an idle 2-core machine, so at the default limit and load three the deadline cuts layers (measured
+The limit is 150 s, not the default 100 s: the expert phase's local searches, which its work budget
+does not size (CP-SAT gets none of it on dsv3_256; `LOAD_HEADROOM` 8 instead of 4 saves 2 s of 59),
+dominate a dsv3_256 solve, 59-65 s alone on an idle 2-core machine (stop 33's code: 66 s, the same),
+so at the default limit and load three the deadline cuts layers (measured
 2026-12-06: 101 s wall, layers 48 and 57 stopped, a different file).  At 150 s: 61.5 s alone, 86 s
 beside the hog, three identical files.  Sizing those searches by the budget is the fix that brings
 the default limit back (README, "Embedding in a scheduler").
