@@ -15,8 +15,6 @@ beside the hog, three identical files.  Sizing those searches by the budget is t
 the default limit back (README, "Embedding in a scheduler").
 """
 
-TIME_LIMIT_S = "150"
-
 from __future__ import annotations
 
 import hashlib
@@ -25,6 +23,8 @@ import sys
 from pathlib import Path
 
 from tests.conftest import INSTANCES, ROOT
+
+TIME_LIMIT_S = "150"
 
 
 
