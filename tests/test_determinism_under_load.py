@@ -27,7 +27,6 @@ from tests.conftest import INSTANCES, ROOT
 TIME_LIMIT_S = "150"
 
 
-
 def _solve(out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", "from placement.cli import entry; entry()", "solve", str(INSTANCES / "dsv3_256.json"),
