@@ -9,7 +9,7 @@ tensors, experts as axis 1, one chunk per layer and expert), an MTP layer with i
 layout (BF16 parameters, FP32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` in flat buckets: a dense
 optimizer ``chained_0`` and an expert optimizer ``chained_1`` with one ``dp_group_idx`` per
 expert-parallel rank) with its bucket layout.  Then permutes it with
-:func:`placement.checkpoint.permute_dcp` (every MoE layer and the MTP layer moved across EP
+:func:`placement.consumers.checkpoint.permute_dcp` (every MoE layer and the MTP layer moved across EP
 ranks) and prints the peak resident memory of all its processes, the bytes per second per worker
 and the time this rate projects for a 9.4 TB DeepSeek-V3 checkpoint (weights, FP32 master weights
 and Adam moments) on a stated number of hosts.
@@ -157,7 +157,7 @@ def write_checkpoint(root: Path, s: Shape, *, random: bool = False) -> dict[str,
     """Write the synthetic checkpoint into ``root`` (created); return its bucket layout document."""
     import torch
 
-    from placement.checkpoint.megatron_dist import BUCKET_LAYOUT_KIND
+    from placement.consumers.checkpoint.megatron_dist import BUCKET_LAYOUT_KIND
 
     root.mkdir(parents=True)
     w = _Writer(root, s.ep)
@@ -256,7 +256,7 @@ def permutation_doc(s: Shape, seed: int = 0) -> dict[str, Any]:
     """A permutation for every MoE layer and the MTP layer (experts move across EP ranks)."""
     import numpy as np
 
-    from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
+    from placement.core.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
 
     rng = np.random.default_rng(seed)
     layers = {str(layer): rng.permutation(s.experts).tolist() for layer in s.moe_layer_ids()}
@@ -337,7 +337,7 @@ def spot_check(src: Path, dst: Path, s: Shape, doc: dict[str, Any]) -> int:
 
 
 def run_size(gb: float, base: Path, workers: int, cache_mb: int, hosts: int, workers_per_host: int) -> dict[str, Any]:
-    from placement.checkpoint import DcpStats, permute_dcp
+    from placement.consumers.checkpoint import DcpStats, permute_dcp
 
     s = shape_for(gb)
     work = Path(tempfile.mkdtemp(prefix="ckpt_stream_", dir=base))

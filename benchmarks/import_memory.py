@@ -97,7 +97,7 @@ def main() -> int:
         paths, total = generate(folder / "traces", int(args.gb * 1e9)) if not (folder / "traces").exists() else (
             sorted(str(p) for p in (folder / "traces").iterdir()), sum(p.stat().st_size for p in (folder / "traces").iterdir()))
         gen_s = time.monotonic() - t0
-        base_mb, base_s = peak_rss_mb([sys.executable, "-c", "import placement.cli, placement.importers, placement.importers.megatron"])
+        base_mb, base_s = peak_rss_mb([sys.executable, "-c", "import placement.cli, placement.sources.importers, placement.sources.importers.megatron"])
         out = folder / "imported.json"
         imp_mb, imp_s = peak_rss_mb([sys.executable, "-c", "import sys; from placement.cli import main; sys.exit(main(sys.argv[1:]))",
                                      "import", "--from", "megatron", *paths, *sections, "-o", str(out)])

@@ -4,14 +4,14 @@ CPU time of the transfer logic at small scale.
 **Predicted** (``instances/dsv3_256.json``: DeepSeek-V3, 58 MoE layers of 256 experts, EP 64 x
 DP 64 x PP 4 on 4 NVL72-class racks, NVLink 900 GB/s and 100 GB/s NICs per GPU, the cost model's
 bandwidths).  One expert's state is ``P * 14`` bytes, ``P = 3 * 7168 * 2048``: BF16 weights, an
-FP32 master copy and Adam's two FP32 moments (616.6 MB; :func:`placement.movecount.replica_state_bytes`
+FP32 master copy and Adam's two FP32 moments (616.6 MB; :func:`placement.core.movecount.replica_state_bytes`
 with one replica per expert, as this layout has one EP group per stage).  Re-placements that swap
 ``k`` pairs of experts between two EP ranks in every MoE layer, the partner inside the same rack
-(NVLink) or in another rack (NICs), are counted by GPU with :func:`placement.movecount.count_moves`:
+(NVLink) or in another rack (NICs), are counted by GPU with :func:`placement.core.movecount.count_moves`:
 the busiest GPU's send or receive time is the predicted migration time.  (Under the default layout
 the EP group of pipeline stage 0 lies in one rack: its layers have no cross-rack swap.)
 
-**Measured**: :func:`placement.migrate.migrate` on TorchTitan 0.3.0 ``GroupedExperts`` (``w1``,
+**Measured**: :func:`placement.consumers.migrate.migrate` on TorchTitan 0.3.0 ``GroupedExperts`` (``w1``,
 ``w2``, ``w3`` stacked over local experts, ``torch.optim.Adam`` state after one step), EP =
 ``--world`` gloo processes on this machine's CPU, ``--layers`` MoE layers of ``--experts``
 experts, each expert ``3 * dim * hidden`` FP32 parameters plus two FP32 moments (12 bytes per
@@ -49,8 +49,8 @@ DSV3_EXPERT_PARAMS = 3 * 7168 * 2048
 def predicted(pairs_per_layer: Sequence[int] = (1, 4, 16, 32)) -> list[dict[str, Any]]:
     """Predicted migration times on instances/dsv3_256.json (module docstring)."""
     import placement
-    from placement.model import Placement
-    from placement.movecount import count_moves, replica_state_bytes
+    from placement.core.model import Placement
+    from placement.core.movecount import count_moves, replica_state_bytes
     from solvers.default import default_placement
 
     inst = placement.load_instance(ROOT / "instances" / "dsv3_256.json")
@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from torchtitan.models.common.moe import GroupedExperts
 
     from placement import runtime as rt
-    from placement.migrate import migrate
+    from placement.consumers.migrate import migrate
 
     per_rank = args.experts // world
 

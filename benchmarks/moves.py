@@ -15,7 +15,7 @@ group-limited routing; ``on`` / ``off`` force it.
 The gain is the previous placement's held-out predicted step time minus the re-placement's (with a
 ``performance`` block), else its held-out cross-domain bytes minus the re-placement's; ``kept`` is
 the budget's gain over the unconstrained gain.  Moves are counted by GPU
-(:func:`placement.moves.count_moves`).
+(:func:`placement.predict.moves.count_moves`).
 
 Usage::
 
@@ -44,8 +44,8 @@ import numpy as np  # noqa: E402
 
 import placement  # noqa: E402
 from placement.formats import atomic_write_text  # noqa: E402
-from placement.model import Instance, Placement, Routing  # noqa: E402
-from placement.moves import count_moves, replica_state_bytes, total_state_bytes  # noqa: E402
+from placement.core.model import Instance, Placement, Routing  # noqa: E402
+from placement.predict.moves import count_moves, replica_state_bytes, total_state_bytes  # noqa: E402
 from solvers.base import group_preserving_default  # noqa: E402
 from solvers.default import default_placement  # noqa: E402
 
@@ -59,7 +59,7 @@ def _load(name: str) -> Instance:
 
 def _next_window(inst: Instance) -> Instance:
     """``inst`` one generator window later: sampled = window 1, held-out = window 2 (same sizes)."""
-    from placement.generator import generate_routing
+    from placement.sources.generator import generate_routing
 
     gen = dict(inst.extra["generator"])
     accepted = inspect.signature(generate_routing).parameters

@@ -1,6 +1,6 @@
 """Side by side against the peers: every committed instance, one run, one evaluator.
 
-For each instance the same evaluator (:func:`placement.cost.report`) scores
+For each instance the same evaluator (:func:`placement.predict.report.report`) scores
 
 - ``default``: ranks on the available GPUs in sorted order, experts contiguous;
 - ``packed``: a careful engineer's layout, whole EP groups packed into racks (:mod:`solvers.packed`);
@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 import placement  # noqa: E402
 from placement.formats import atomic_write_text, read_instance  # noqa: E402
-from placement.model import Instance, PlacementError  # noqa: E402
+from placement.core.model import Instance, PlacementError  # noqa: E402
 from solvers.base import default_workers  # noqa: E402
 
 __all__ = ["PEERS", "OURS", "TARGET_RATIO", "TARGET_BOUND_GAP", "TARGET_TIME_FACTOR", "run_instance", "target_check",
@@ -74,7 +74,7 @@ _SCALARS = (
     "predicted_tflops_per_gpu",
     *(f"predicted_{k}_{setting}" for k in ("step_time_s", "tflops_per_gpu") for setting in ("low", "mid", "high")),
 )
-SETTINGS = ("low", "mid", "high")  # the step-time model's settings (placement.performance.SETTINGS)
+SETTINGS = ("low", "mid", "high")  # the step-time model's settings (placement.predict.performance.SETTINGS)
 
 
 def _load(name_or_path: str) -> Instance:
@@ -97,8 +97,9 @@ def _compute_bound(instance: Instance, result: "placement.SolveResult") -> dict[
     included, with the pipeline bubble), so the limit moves with the placement's expert balance and
     pipeline split but not with its bytes.
     """
-    from placement.cost import evaluate, setting_step_models
-    from placement.pipeline_layout import with_layout
+    from placement.predict.cost import evaluate
+    from placement.predict.report import setting_step_models
+    from placement.core.pipeline_layout import with_layout
 
     if instance.performance is None or instance.routing.heldout_topk is None:
         return {}
@@ -141,7 +142,7 @@ def _run_solver(instance: Instance, name: str, time_limit_s: float, seed: int, w
     row["metrics"] = {k: metrics[k] for k in keys if k in metrics}
     row["metrics"].update(_compute_bound(instance, result))
     row["metrics"]["heldout_small_node_ep_groups"] = metrics.get("heldout_small_node_ep_groups", 0)
-    from placement.pipeline_layout import instance_chunks, render_layout
+    from placement.core.pipeline_layout import instance_chunks, render_layout
 
     row["pipeline_layout"] = render_layout(result.placement.pipeline_layout or instance_chunks(instance))
     row.update(
@@ -290,7 +291,7 @@ def _bytes(x: float) -> str:
 
 
 def _tflops(x: float | None) -> str:
-    """Predicted TFLOP/s per GPU (placement.performance), n/a without a performance block."""
+    """Predicted TFLOP/s per GPU (placement.predict.performance), n/a without a performance block."""
     return "n/a" if x is None else f"{x:,.0f}"
 
 

@@ -2,8 +2,8 @@
 replication (``eplb``) at the same N, and the memory each costs per GPU.  One run, one evaluator.
 
 For each instance: one placement (:func:`placement.solve`, no replicas, ``--time-limit`` seconds), then
-per ``N`` and rule the replica block (:func:`placement.formats_replicas.replicas_block`, chosen on the
-sampled window) priced by :func:`placement.cost.report` with ``replicas=`` on the held-out window at
+per ``N`` and rule the replica block (:func:`solvers.replica_block.replicas_block`, chosen on the
+sampled window) priced by :func:`placement.predict.report.report` with ``replicas=`` on the held-out window at
 the step-time model's low / mid / high settings.  Ratios are to the same placement without replicas
 (``vs N=0``) and to ``eplb`` at the same ``N`` (``vs eplb``).
 
@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from placement.api import solve  # noqa: E402
-from placement.cost import report  # noqa: E402
+from placement.predict.report import report  # noqa: E402
 from placement.formats import read_instance  # noqa: E402
-from placement.formats_replicas import replicas_block  # noqa: E402
+from solvers.replica_block import replicas_block  # noqa: E402
 
 SETTINGS = ("low", "mid", "high")
 

@@ -2,7 +2,7 @@
 
 For each instance (``instances/*.json`` by default) and each requested rank-layout mode, the solver
 (``cpsat`` unless ``--solver``) runs at ``--time-limit`` seconds; the default layout and the answer are
-scored by the same evaluator (:func:`placement.cost.report`) in the same run:
+scored by the same evaluator (:func:`placement.predict.report.report`) in the same run:
 
 - cross-domain all-to-all bytes per step, sampled and held-out tokens;
 - the largest per-GPU scale-out bytes (busiest NIC, one direction), held-out;
@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 import placement  # noqa: E402
-from placement.cost import report  # noqa: E402
+from placement.predict.report import report  # noqa: E402
 from placement.formats import atomic_write_text  # noqa: E402
 from solvers.default import default_placement  # noqa: E402
 

@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from placement.cost import report  # noqa: E402
+from placement.predict.report import report  # noqa: E402
 from placement.formats import atomic_write_text, read_instance, write_instance  # noqa: E402
-from placement.instances import InstanceSpec, build  # noqa: E402
+from placement.sources.instances import InstanceSpec, build  # noqa: E402
 from solvers.default import default_placement  # noqa: E402
 
 __all__ = ["SPEC", "main"]

@@ -1,8 +1,8 @@
 """Small helpers the notebooks share: which solver to use, DeepSeek-V3-like instance variants, figures.
 
 Everything here uses public names only: the package's API (``placement.solve``,
-``placement.solver_names``, ``placement.DEFAULT_SOLVER``), the data model (``placement.model``) and
-the instance builder ``placement.instances`` (``SPECS`` and ``build``, in its ``__all__``: a
+``placement.solver_names``, ``placement.DEFAULT_SOLVER``), the data model (``placement.core.model``) and
+the instance builder ``placement.sources.instances`` (``SPECS`` and ``build``, in its ``__all__``: a
 ``dataclasses.replace``-d spec built in memory); no solver module is imported, and nothing computes
 a cost of its own.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 import placement
-from placement.instances import SPECS, build
-from placement.model import Cluster, Instance, Placement
+from placement.sources.instances import SPECS, build
+from placement.core.model import Cluster, Instance, Placement
 
 __all__ = [
     "SOLVER",

@@ -6,13 +6,17 @@ The public API (see :mod:`placement.api`): :func:`load_instance`, :func:`solve`,
 :func:`import_routing` / :func:`save_instance`, checked with :func:`routing_stats`; the cluster
 as the scheduler sees it with :func:`cluster_from_slurm`, :func:`cluster_from_kubernetes`,
 :func:`cluster_from_nvidia_smi` (:func:`write_cluster`), a job's hosts with :func:`allocate`;
-the model in :mod:`placement.model`; the cost model in :mod:`placement.cost`.  Every error raised
+the model in :mod:`placement.core.model`; the cost model in :mod:`placement.predict.cost`.  Every error raised
 on purpose is a :class:`PlacementError`; its ``exit_code`` is what the CLI exits with.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from placement.api import (
+from placement import _moved
+
+_moved.install()  # the old module paths (placement.cost, placement.runtime, ...) stay importable
+
+from placement.api import (  # noqa: E402
     DEFAULT_SOLVER,
     allocate,
     allocate_cluster,
@@ -42,7 +46,7 @@ from placement.api import (
     solver_names,
     verify_placement,
 )
-from placement.model import (
+from placement.core.model import (
     InfeasibleError,
     Instance,
     InvalidInputError,

@@ -1,6 +1,6 @@
 """The Python API: what job schedulers and notebooks call.  Nothing here prints.
 
-Every error a caller can cause is a :class:`~placement.model.PlacementError` (``InvalidInputError``,
+Every error a caller can cause is a :class:`~placement.core.model.PlacementError` (``InvalidInputError``,
 ``InfeasibleError``, ``SolverError``), whose ``exit_code`` is what the CLI would exit with; a bug
 inside a solver surfaces as ``SolverError`` too.
 
@@ -43,17 +43,18 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from placement.checker import check, check_or_raise
-from placement.cost import Window, evaluate, report
+from placement.core.checker import check, check_or_raise
+from placement.predict.cost import Window, evaluate
+from placement.predict.report import report
 from placement.formats import placement_document, read_instance, read_placement, write_placement
-from placement.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
-from placement.model import (Apply, Cluster, InfeasibleError, Instance, InvalidInputError, Placement, PlacementError,
+from placement.sources.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
+from placement.core.model import (Apply, Cluster, InfeasibleError, Instance, InvalidInputError, Placement, PlacementError,
                              SolverError)
-from placement.performance import Prediction, StepTimeModel
+from placement.predict.performance import Prediction, StepTimeModel
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
-    from placement.calibration import Calibration
-    from placement.verify import VerifyReport
+    from placement.predict.calibration import Calibration
+    from placement.app.verify import VerifyReport
     from solvers.base import Consumer, Fit, LayoutMode, Objective, SolveResult
 
 __all__ = [
@@ -110,7 +111,7 @@ STARTUP_RESERVE_S = 1.0
 # scoring about 3x dearer than the work predictions assume: a dsv3_256 solve at 2 then took 96 s of
 # its 100 s on an idle 2-core machine, so two of them beside a CPU hog were cut by the clock.
 LOAD_HEADROOM = 4.0
-# Sampled-window evaluations placement.pipeline_split.choose_layout runs at most (item prices and
+# Sampled-window evaluations placement.predict.pipeline_split.choose_layout runs at most (item prices and
 # four candidates).
 SPLIT_SCORING_RUNS = 5
 MAX_SEED = 2**31 - 1  # CP-SAT's random_seed is a 32-bit integer
@@ -160,7 +161,7 @@ def evaluate_placement(instance: Instance, placement: Placement) -> dict[str, An
 
     Returns
     -------
-    dict of :class:`placement.cost.Metrics` fields (per optimizer step); held-out twins carry the
+    dict of :class:`placement.predict.cost.Metrics` fields (per optimizer step); held-out twins carry the
     prefix ``heldout_``.
 
     Raises
@@ -175,7 +176,7 @@ def evaluate_placement(instance: Instance, placement: Placement) -> dict[str, An
 def predict_performance(instance: Instance, placement: Placement, *, window: Window = "heldout") -> Prediction:
     """Predicted step time, tokens/s and TFLOP/s per GPU of ``placement`` on one routing window.
 
-    The same figures as the report's ``predicted_*`` keys (:mod:`placement.performance`), typed.
+    The same figures as the report's ``predicted_*`` keys (:mod:`placement.predict.performance`), typed.
 
     Raises
     ------
@@ -198,14 +199,14 @@ def calibrate(
     Parameters
     ----------
     rows : a ladder file (docs/formats.md); ``None`` = the published ladder shipped with the package.
-    fit : parameters to fit (:data:`placement.calibration.FITTABLE`).
+    fit : parameters to fit (:data:`placement.predict.calibration.FITTABLE`).
 
     Returns
     -------
-    :class:`placement.calibration.Calibration`: every row's prediction and error, the fitted values,
+    :class:`placement.predict.calibration.Calibration`: every row's prediction and error, the fitted values,
     the median absolute error of the rows not fitted and the fitted ``performance`` block.
     """
-    from placement.calibration import calibrate as _calibrate, default_ladder_path, read_ladder
+    from placement.predict.calibration import calibrate as _calibrate, default_ladder_path, read_ladder
 
     return _calibrate(read_ladder(default_ladder_path() if rows is None else rows), fit)
 
@@ -228,7 +229,7 @@ def estimate_finish_s(instance: Instance) -> float:
     if instance.routing.heldout_topk is not None:
         ids += instance.routing.heldout_topk.size
     if instance.performance is not None and instance.parallel.pp > 1:
-        # The pipeline split's scoring (placement.pipeline_split): up to five sampled-window runs.
+        # The pipeline split's scoring (placement.predict.pipeline_split): up to five sampled-window runs.
         ids += SPLIT_SCORING_RUNS * instance.routing.topk.size
     return FINISH_RESERVE_S + SCORING_S_PER_EXPERT_ID * ids
 
@@ -257,7 +258,7 @@ def _check_arguments(
     finish_reserve_s: float | None,
     apply: str | None = None,
 ) -> None:
-    from placement.model import APPLY_MODES
+    from placement.core.model import APPLY_MODES
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
 
     def choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
@@ -318,7 +319,7 @@ def solve(
 
     Parameters
     ----------
-    instance : the problem; the solver sees :meth:`~placement.model.Instance.for_solver` (no
+    instance : the problem; the solver sees :meth:`~placement.core.model.Instance.for_solver` (no
         held-out window), the evaluator scores both windows.
     solver : a name from :func:`solver_names`.
     time_limit_s : wall-clock budget of the whole call, counted from ``started_at``; the solver
@@ -336,7 +337,7 @@ def solve(
         ``None`` (the default) follows the instance's ``performance.dispatcher``
         (:func:`solvers.base.default_consumer`: ``hybridep``/``deepep`` -> that rule, else ``none``).
     apply : how the expert maps reach the job: ``runtime`` (a dispatch-time map:
-        :mod:`placement.runtime` hooks for Megatron-Core and TorchTitan with a keep-router checkpoint
+        :mod:`placement.consumers.runtime` hooks for Megatron-Core and TorchTitan with a keep-router checkpoint
         permutation, SGLang's and vLLM's expert maps; any map is valid) or ``checkpoint`` (router and
         experts renumbered offline; under group-limited routing the maps keep expert groups whole);
         ``None``: the instance's ``apply`` field, else ``runtime``.
@@ -353,7 +354,7 @@ def solve(
     layout : ``optimize`` the rank -> GPU map, or keep the default one (``fixed``).
     progress : called with one-line progress messages (never printed by the library).
     on_progress : called with ``(MoE layers whose expert map is finished, MoE layers to place)`` as
-        layers finish (``cpsat``; a :data:`placement.progress.ProgressCallback`, e.g. a bar's
+        layers finish (``cpsat``; a :data:`placement.core.progress.ProgressCallback`, e.g. a bar's
         ``report``); it only observes, the placement does not depend on it.
     started_at : ``time.monotonic()`` instant the budget started (default: now).
     stop_event : when set (by another thread, a signal handler), the solver returns the best
@@ -362,7 +363,7 @@ def solve(
         :func:`estimate_finish_s`.
     previous : re-place against this placement (same instance shape; ``cpsat`` only): the rank
         layout stays ``previous.rank2gpu`` (``layout`` is not searched) and only expert maps change,
-        each moved expert replica costing its weights and optimizer state (:mod:`placement.moves`).
+        each moved expert replica costing its weights and optimizer state (:mod:`placement.predict.moves`).
         ``details["moves"]`` reports what moves and the steps to pay it back.
     max_moved_bytes : with ``previous``, a hard budget on the bytes moved (cross-rack plus NVLink)
         over the whole placement; 0 returns ``previous`` itself.
@@ -379,13 +380,13 @@ def solve(
     redundant_experts : ``N`` extra expert slots per MoE layer (SGLang's
         ``--ep-num-redundant-experts``), ``N / ep`` per GPU; ``E + N`` must divide over ``ep``.  The
         replicas are chosen after the permutation by ``replica_rule`` (``search``, the default:
-        :mod:`placement.replica_search`; ``hottest`` or ``eplb``: :mod:`placement.replicas`) and
+        :mod:`solvers.replica_search`; ``hottest`` or ``eplb``: :mod:`placement.core.replicas`) and
         returned in ``details["replicas"]``, which the placement file holds as its ``replicas``
         block, with the evaluator's figures priced with them under ``priced``
-        (:func:`placement.cost.report` with ``replicas=``; ``metrics`` stay the permutation's).
+        (:func:`placement.predict.report.report` with ``replicas=``; ``metrics`` stay the permutation's).
     pipeline_split : with the ``step_time`` objective, a performance block, ``pp > 1`` and no
         ``previous``, choose the pipeline layer split for the answer's placement
-        (:func:`placement.pipeline_split.choose_layout`; never slower than the instance's split on
+        (:func:`placement.predict.pipeline_split.choose_layout`; never slower than the instance's split on
         the sampled window); ``details["pipeline_layout"]`` reports the candidates and the metrics
         are those of the chosen layout.  False keeps the instance's split.
 
@@ -437,7 +438,7 @@ def solve(
     apply = resolve_apply(instance, apply)
     if group_preserving is False and apply == "checkpoint" and instance.model.group_limited:
         raise InvalidInputError("group_preserving: free maps cannot be applied by a checkpoint permutation under "
-                                "group-limited routing (apply checkpoint); use apply runtime (placement.runtime hooks)")
+                                "group-limited routing (apply checkpoint); use apply runtime (placement.consumers.runtime hooks)")
     from solvers.base import FITS
 
     if wall_limit_s is not None and (isinstance(wall_limit_s, bool) or not isinstance(wall_limit_s, (int, float))
@@ -446,13 +447,13 @@ def solve(
 
     if not isinstance(fit, str) or fit not in FITS:
         raise InvalidInputError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
-    from placement.checker import etp_violations
+    from placement.core.checker import etp_violations
 
     etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
     if etp_problems:
         raise InvalidInputError(etp_problems[0])
     if redundant_experts or replica_rule != "search":
-        from placement.replicas import REPLICA_RULES, check_redundant_experts
+        from placement.core.replicas import REPLICA_RULES, check_redundant_experts
 
         check_redundant_experts(instance.model.num_experts, instance.parallel.ep, redundant_experts)
         if replica_rule not in REPLICA_RULES:
@@ -501,7 +502,7 @@ def solve(
     details = dict(result.details)
     if (pipeline_split and objective == "step_time" and instance.performance is not None and instance.parallel.pp > 1
             and move_request is None):
-        from placement.pipeline_split import choose_layout
+        from placement.predict.pipeline_split import choose_layout
 
         choice = choose_layout(instance, result.placement)
         details["pipeline_layout"] = choice.to_dict()
@@ -514,12 +515,12 @@ def solve(
         params["fit"] = fit
     if stop_event is not None and stop_event.is_set():
         details["interrupted"] = True
-    if redundant_experts:  # the replica block of the placement file (placement/formats_replicas.py)
-        from placement.formats_replicas import replicas_block
+    if redundant_experts:  # the replica block of the placement file (placement/formats/replicas.py)
+        from solvers.replica_block import replicas_block
 
         details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule, seed=seed)
-    if move_request is not None:  # what the re-placement moves and gains (placement/moves.py)
-        from placement.moves import move_report, replica_state_bytes
+    if move_request is not None:  # what the re-placement moves and gains (placement/predict/moves.py)
+        from placement.predict.moves import move_report, replica_state_bytes
 
         bpr = replica_state_bytes(instance, params=expert_params, sharded_optimizer=sharded_optimizer)
         details["moves"] = {**details.get("moves", {}), **move_report(
@@ -534,8 +535,8 @@ def solve(
 def _move_request(instance: Instance, solver: str, previous: Placement | None, max_moved_bytes: float | None,
                   move_cost: float | None, expert_params: int | None, sharded_optimizer: bool,
                   group_preserving: bool | None, apply: Apply) -> Any:
-    """The checked :class:`placement.moves.MoveRequest` of a re-placement (one-line errors naming the field)."""
-    from placement.moves import MoveRequest, check_previous, replica_state_bytes
+    """The checked :class:`placement.predict.moves.MoveRequest` of a re-placement (one-line errors naming the field)."""
+    from placement.predict.moves import MoveRequest, check_previous, replica_state_bytes
     from solvers.kernels import keeps_expert_groups
 
     if previous is None:
@@ -562,15 +563,15 @@ def _move_request(instance: Instance, solver: str, previous: Placement | None, m
 def verify_placement(instance_path: str | os.PathLike[str], placement_path: str | os.PathLike[str]) -> VerifyReport:
     """Verify a placement file against its instance, independently of the solvers.
 
-    Returns a :class:`placement.verify.VerifyReport`: ``violations`` (empty when valid), the
-    ``checks`` run and ``notes``; see :mod:`placement.verify` for the checks.
+    Returns a :class:`placement.app.verify.VerifyReport`: ``violations`` (empty when valid), the
+    ``checks`` run and ``notes``; see :mod:`placement.app.verify` for the checks.
 
     Raises
     ------
     InvalidInputError
         A file cannot be read or parsed.
     """
-    from placement.verify import verify_files
+    from placement.app.verify import verify_files
 
     return verify_files(instance_path, placement_path)
 
@@ -587,11 +588,11 @@ def export_placement(
     """Check a placement file and write it, atomically, in a format a stack reads.
 
     ``apply`` (megatron, torchtitan): ``runtime`` writes the keep-router permutation that is also the
-    map of :mod:`placement.runtime` (any map), ``checkpoint`` the permutation of router and experts;
+    map of :mod:`placement.consumers.runtime` (any map), ``checkpoint`` the permutation of router and experts;
     default: the placement's ``apply`` (what it was solved for), else the instance's (``runtime``).
     ``keep_router`` is the older spelling of ``apply="runtime"``.
 
-    ``fmt``: one of :data:`placement.export.FORMATS` (sglang, vllm, vllm-ascend, megatron,
+    ``fmt``: one of :data:`placement.consumers.export.FORMATS` (sglang, vllm, vllm-ascend, megatron,
     torchtitan, slurm, hybridep, maxtext); every format but vllm needs the instance.  Returns
     ``{path: text}`` of the files written (``slurm`` writes a per-host GPU file and a launcher
     script beside the host file, and warns with ``LaunchWarning`` when torchrun cannot launch it).
@@ -603,7 +604,7 @@ def export_placement(
     InfeasibleError
         The stack cannot take this placement.
     """
-    from placement.export import export_file
+    from placement.consumers.export import export_file
 
     return export_file(fmt, placement_path, output_path, instance_path, keep_router=keep_router, apply=apply)
 
@@ -782,11 +783,11 @@ def import_routing(
     heldout_steps : the last steps (forward passes, requests) that form the held-out window;
         default a quarter of them, at least one.
     max_tokens_per_source : cap on the tokens kept per source and window
-        (default :data:`placement.importers.DEFAULT_MAX_TOKENS_PER_SOURCE`).
+        (default :data:`placement.sources.importers.DEFAULT_MAX_TOKENS_PER_SOURCE`).
     windows : cut the fit steps into this many time-ordered sampled windows
         (``routing.window_tokens``, what ``solve(fit=...)`` weighs); 1 = one sampled window.
     on_progress : called with ``(bytes of trace files read, bytes of all trace files)`` as they are
-        scanned (a :data:`placement.progress.ProgressCallback`); it only observes.
+        scanned (a :data:`placement.core.progress.ProgressCallback`); it only observes.
 
     Returns
     -------
@@ -799,7 +800,7 @@ def import_routing(
         outside the experts, ranks outside the layout, steps with different layer sets, counts-only
         inputs).
     """
-    from placement.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, import_instance
+    from placement.sources.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, import_instance
 
     return import_instance(
         source,
@@ -825,8 +826,8 @@ def save_instance(instance: Instance, path: str | os.PathLike[str]) -> None:
 
 
 def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
-    """The routing statistics ``placement stats`` prints (see :func:`placement.stats.routing_stats`)."""
-    from placement.stats import routing_stats as _stats
+    """The routing statistics ``placement stats`` prints (see :func:`placement.core.stats.routing_stats`)."""
+    from placement.core.stats import routing_stats as _stats
 
     if isinstance(distance, bool) or not isinstance(distance, int) or distance < 1:
         raise InvalidInputError(f"distance: expected a positive integer, found {distance!r}")
@@ -836,7 +837,7 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
 def allocation_hosts(allocation: str | Sequence[str]) -> list[str]:
     """The host names of an allocation: a Slurm host list (``gb[001-018,025]``, as in
     ``SLURM_JOB_NODELIST``) or a sequence of names."""
-    from placement.discovery import expand_hostlist
+    from placement.sources.discovery import expand_hostlist
 
     if isinstance(allocation, str):
         hosts = expand_hostlist(allocation)

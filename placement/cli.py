@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 from placement.api import Interrupted, SignalStop
-from placement.model import InvalidInputError, PlacementError
-from placement.progress import Progress
-from placement.progress import progress as progress_bar
+from placement.core.model import InvalidInputError, PlacementError
+from placement.core.progress import Progress
+from placement.core.progress import progress as progress_bar
 
 if TYPE_CHECKING:
-    from placement.calibration import Calibration
-    from placement.model import Instance
+    from placement.predict.calibration import Calibration
+    from placement.core.model import Instance
     from solvers.base import SolveResult
 
 __all__ = [
@@ -80,7 +80,7 @@ def _summary_lines(title: str, m: dict) -> list[str]:
     row("remote domains per token", "remote_domains_per_token", lambda v: f"{v:.3f}")
     row("remote experts per token", "remote_experts_per_token", lambda v: f"{v:.3f}")
     row("expert load max/mean (worst layer)", "expert_load_max_over_mean", lambda v: f"{v:.3f}")
-    if "expert_load_lasting_max_over_mean" in m:  # sampling noise removed (placement.imbalance)
+    if "expert_load_lasting_max_over_mean" in m:  # sampling noise removed (placement.predict.imbalance)
         row("  lasting (noise removed, priced)", "expert_load_lasting_max_over_mean", lambda v: f"{v:.3f}")
     row("all-to-all time, slowest stage", "alltoall_time_s_per_step", lambda v: f"{v:.2f} s")
     if "predicted_step_time_s" in m:  # the instance has a performance block
@@ -93,7 +93,7 @@ def _summary_lines(title: str, m: dict) -> list[str]:
     return lines
 
 
-# The step-time model's settings of its uncertain terms (placement.performance.SETTINGS) and the
+# The step-time model's settings of its uncertain terms (placement.predict.performance.SETTINGS) and the
 # band rows: label, report key without prefix and setting suffix, format.
 _SETTINGS = ("low", "mid", "high")
 _BAND_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
@@ -107,7 +107,7 @@ def _band(m: dict, key: str, fmt: Callable[[float], str]) -> str:
     return " / ".join(fmt(m[f"{key}_{s}"]) for s in _SETTINGS)
 
 
-# Predicted step time rows (placement.performance): label, report key without prefix, format.
+# Predicted step time rows (placement.predict.performance): label, report key without prefix, format.
 _PREDICTED_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("predicted step time", "predicted_step_time_s", lambda v: f"{v:.4g} s"),
     ("predicted tokens/s per GPU", "predicted_tokens_per_s_per_gpu", lambda v: f"{v:,.0f}"),
@@ -167,7 +167,7 @@ def _check_output_path(path: str) -> None:
 
 def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) -> int:
     from placement.api import FINISH_RESERVE_S, load_instance, result_document, solve
-    from placement.cost import report
+    from placement.predict.report import report
     from placement.formats import write_placement
     from solvers.default import default_placement
 
@@ -265,7 +265,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         else:
             maps = "free"
         print(f"  expert maps {maps}, applied at {apply_mode} "
-              f"({'placement.runtime hooks, keep-router checkpoint' if apply_mode == 'runtime' else 'checkpoint renumbering'})")
+              f"({'placement.consumers.runtime hooks, keep-router checkpoint' if apply_mode == 'runtime' else 'checkpoint renumbering'})")
         if (result.params.get("fit_groups_whole") and not result.params.get("group_preserving")
                 and instance.routing.num_windows == 1):
             print("  one sampled window, so its drift is unmeasured: groups fitted whole (--free fits the "
@@ -312,7 +312,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
     print("\n".join(_footprint_lines(instance, result)))
     if "moves" in result.details:
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
-    if "replicas" in result.details:  # placement/formats_replicas.py; priced under "priced", metrics above without
+    if "replicas" in result.details:  # placement/formats/replicas.py; priced under "priced", metrics above without
         rm = result.details["replicas"]["metrics"]
         print(f"  replicas: {args.redundant_experts} redundant slots per MoE layer (rule {args.replica_rule}), busiest EP "
               f"rank's tokens / mean (held-out) {rm.get('heldout_rank_load_max_over_mean', float('nan')):.3f} -> "
@@ -342,8 +342,8 @@ def _allocation(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
-    """``placement cluster``: the cluster file from the scheduler (placement/discovery/)."""
-    from placement.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
+    """``placement cluster``: the cluster file from the scheduler (placement/sources/discovery/)."""
+    from placement.sources.discovery import cluster_from_kubernetes, cluster_from_nvidia_smi, cluster_from_slurm, write_cluster
 
     _check_output_path(args.output)
     links = {"nvlink_gbps": args.nvlink_gbps, "scaleout_gbps": args.scaleout_gbps, "gpu_hbm_gb": args.gpu_hbm_gb}
@@ -356,7 +356,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"{flag}: expected a positive number, found {value}")
     import warnings
 
-    from placement.discovery import UnreadyHostWarning
+    from placement.sources.discovery import UnreadyHostWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnreadyHostWarning)
@@ -386,7 +386,7 @@ def _move_arguments(args: argparse.Namespace, instance: Instance) -> dict:
             if value is not None:
                 raise InvalidInputError(f"{flag}: needs --previous")
         return {}
-    from placement.moves import load_previous, parse_moved_bytes, replica_state_bytes
+    from placement.predict.moves import load_previous, parse_moved_bytes, replica_state_bytes
 
     if args.layout == "optimize":
         raise InvalidInputError("--layout: --previous keeps the previous rank layout (re-placing ranks would move "
@@ -443,7 +443,7 @@ def _footprint_lines(instance: Instance, result: SolveResult) -> list[str]:
         if len(f) > 1:
             lines.append(f"  stage {s} over {len(f)} domains (domain:GPUs): " + " + ".join(f"d{d}:{n}" for d, n in f))
     split = result.details.get("pipeline_layout") if isinstance(result.details, dict) else None
-    if split:  # the pipeline layer split the solve chose (placement.pipeline_split)
+    if split:  # the pipeline layer split the solve chose (placement.predict.pipeline_split)
         own = split["candidates"]["instance"]
         lines.append(f"  pipeline layout: {split['chosen']} (instance's {own['layout']}; predicted step, sampled: "
                      f"{split['candidates'][split['candidate']]['predicted_step_time_s']:.4g} s against "
@@ -454,7 +454,7 @@ def _footprint_lines(instance: Instance, result: SolveResult) -> list[str]:
 def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
-    from placement.export import LaunchWarning, export_file
+    from placement.consumers.export import LaunchWarning, export_file
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LaunchWarning)
@@ -471,7 +471,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from placement.verify import verify_files
+    from placement.app.verify import verify_files
 
     rep = verify_files(args.instance, args.placement)
     if rep.violations:
@@ -487,7 +487,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from placement.show import show_files
+    from placement.app.show import show_files
 
     out = show_files(args.placement, args.instance, args.output, window=args.window)
     print(f"wrote {out} (rack map, {out.stat().st_size:,} bytes)")
@@ -496,7 +496,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace, started_at: float) -> int:
     """``placement plan``: the job's layout for the free GPUs (placement/plan/)."""
-    from placement.executor import make_executor
+    from placement.core.executor import make_executor
     from placement.plan import parse_candidates, plan, plan_document, plan_table, read_cluster, read_job, write_plan
 
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
@@ -510,7 +510,7 @@ def _cmd_plan(args: argparse.Namespace, started_at: float) -> int:
         fmt, sep, target = item.partition("=")
         if not sep or not target:
             raise InvalidInputError(f"--export: expected FORMAT=PATH, found {item!r}")
-        from placement.export import FORMATS
+        from placement.consumers.export import FORMATS
 
         if fmt not in FORMATS:
             raise InvalidInputError(f"--export: expected a format among {', '.join(FORMATS)}, found {fmt!r}")
@@ -589,7 +589,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from placement.api import calibrate
     from placement.formats import atomic_write_bytes
 
-    from placement.calibration import DEFAULT_FIT, format_table
+    from placement.predict.calibration import DEFAULT_FIT, format_table
 
     fit = [f for f in args.fit.split(",") if f] if args.fit else list(DEFAULT_FIT)
     if not args.from_logs:
@@ -600,7 +600,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         if args.from_logs:
             raise InvalidInputError("--cross-validate: not with --from-logs (write the rows with --write-rows, then "
                                     "cross-validate that file)")
-        from placement.calibration import cross_validate, default_ladder_path, format_cross_validation, read_ladder
+        from placement.predict.calibration import cross_validate, default_ladder_path, format_cross_validation, read_ladder
 
         cv = cross_validate(read_ladder(args.rows or default_ladder_path()), fit)
         print(format_cross_validation(cv))
@@ -621,9 +621,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _calibrate_from_logs(args: argparse.Namespace, fit: list[str]) -> Calibration:
     """``placement calibrate --from-logs``: one ladder row per training log (docs/runlogs.md),
     after the rows of ``ROWS`` when it is given; ``--write-rows`` keeps them as a ladder file."""
-    from placement.calibration import calibrate as calibrate_rows, ladder_rows, read_ladder
+    from placement.predict.calibration import calibrate as calibrate_rows, ladder_rows, read_ladder
     from placement.formats import atomic_write_bytes
-    from placement.runlogs import rows_document, rows_from_logs
+    from placement.sources.runlogs import rows_document, rows_from_logs
 
     if args.gpu is None:
         raise InvalidInputError("--gpu: required with --from-logs (a training log does not say the GPU kind)")
@@ -653,7 +653,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     st = routing_stats(instance, distance=args.distance)
     drift = None
     if args.against is not None:
-        from placement.stats import routing_drift
+        from placement.core.stats import routing_drift
 
         other = load_instance(args.against)
         try:
@@ -721,7 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "hybridep/deepep -> its equal-slice rule, else none)")
     so.add_argument("--apply", default=None, choices=("runtime", "checkpoint"),
                     help="how the expert maps reach the job. runtime (the default, unless the instance's apply "
-                         "says otherwise): mapped at dispatch time (placement.runtime hooks for Megatron-Core and "
+                         "says otherwise): mapped at dispatch time (placement.consumers.runtime hooks for Megatron-Core and "
                          "TorchTitan with a keep-router checkpoint permutation; SGLang and vLLM expert maps), any "
                          "map; checkpoint: router and experts renumbered offline, so under group-limited routing "
                          "the maps keep expert groups whole")
@@ -773,7 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optimizer state sharded over an expert's replicas (distributed optimizer, default) or "
                          "held whole by each")
 
-    from placement.export import FORMATS
+    from placement.consumers.export import FORMATS
 
     ex = sub.add_parser("export", help="write a placement in a format a training or serving stack reads")
     ex.add_argument("placement", help="placement file")
@@ -782,13 +782,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--instance", help="the instance file the placement was solved for (required except for vllm)")
     ex.add_argument("--apply", default=None, choices=("runtime", "checkpoint"),
                     help="megatron/torchtitan: runtime writes the keep-router permutation (the experts move in the "
-                         "checkpoint, the router does not) that placement.runtime's hooks also install; checkpoint "
+                         "checkpoint, the router does not) that placement.consumers.runtime's hooks also install; checkpoint "
                          "the permutation of router and experts (group-preserving maps under group-limited routing). "
                          "Default: what the placement was solved for (its apply), else the instance's (runtime)")
     ex.add_argument("--keep-router", action="store_true",
                     help="same as --apply runtime (kept for older scripts)")
 
-    from placement.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, SOURCES
+    from placement.sources.importers import DEFAULT_MAX_TOKENS_PER_SOURCE, SOURCES
 
     im = sub.add_parser("import", help="build an instance from recorded routing traces (README: bring your own)")
     im.add_argument("traces", nargs="+", metavar="TRACES", help="trace files of every rank")
@@ -818,7 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("instance", help="instance JSON file")
     ve.add_argument("placement", help="placement file")
 
-    from placement.executor import EXECUTOR_NAMES
+    from placement.core.executor import EXECUTOR_NAMES
     from placement.plan import DEFAULT_PLAN_TIME_LIMIT_S
 
     pl = sub.add_parser("plan", help="choose the job's parallel layout and placement for the free GPUs (docs/plan.md)")
@@ -838,7 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     pl.add_argument("--allocation", metavar="HOSTS", help=_ALLOCATION_HELP)
 
-    from placement.discovery import DEFAULT_GPU_HBM_GB, DEFAULT_NVLINK_GBPS, DEFAULT_SCALEOUT_GBPS, SOURCES as CLUSTER_SOURCES
+    from placement.sources.discovery import DEFAULT_GPU_HBM_GB, DEFAULT_NVLINK_GBPS, DEFAULT_SCALEOUT_GBPS, SOURCES as CLUSTER_SOURCES
 
     cl = sub.add_parser("cluster", help="write a cluster file from Slurm, Kubernetes or nvidia-smi (docs/formats.md)")
     cl.add_argument("inputs", nargs="*", metavar="INPUT",

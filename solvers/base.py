@@ -1,7 +1,7 @@
 """The one interface every placement algorithm implements, and its result type.
 
 A solver is a callable ``solve(instance, options) -> SolveResult``.  It receives the instance's
-solver view (:meth:`placement.model.Instance.for_solver`: no held-out window), must honour
+solver view (:meth:`placement.core.model.Instance.for_solver`: no held-out window), must honour
 ``options.deadline`` (a ``time.monotonic()`` instant) and return the best placement it has by then.
 It never prints: progress goes to ``options.progress`` when given, logs to the ``logging`` module.
 
@@ -13,15 +13,14 @@ call in ``with call_on_stop(options, solver.stop_search):`` so that a stop reque
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Protocol
 
-from placement.model import Apply, Instance, MoveRequest, Placement
+from placement.core.executor import default_workers  # noqa: F401  (re-exported)
+from placement.core.model import Apply, Instance, MoveRequest, Placement
 
 __all__ = [
     "Consumer",
@@ -53,27 +52,6 @@ Fit = Literal["robust", "mean", "latest"]
 FITS: tuple[Fit, ...] = ("robust", "mean", "latest")
 
 
-def _cgroup_cpu_limit() -> int | None:
-    """CPUs allowed by a cgroup v2 quota (``cpu.max``: ``quota period``), or None if unlimited."""
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota == "max":
-            return None
-        return max(1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        return None
-
-
-def default_workers() -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (containers)."""
-    try:
-        cores = max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not on Linux
-        cores = max(1, os.cpu_count() or 1)
-    limit = _cgroup_cpu_limit()
-    return cores if limit is None else min(cores, limit)
-
-
 @dataclass(frozen=True)
 class SolveOptions:
     """What every solver accepts.
@@ -95,7 +73,7 @@ class SolveOptions:
         permutations under group-limited routing); ``None``: :func:`group_preserving_default`
         (group-limited routing and ``apply`` ``checkpoint``).
     objective : ``step_time`` (the default): the predicted step time of
-        :class:`placement.performance.StepTimeModel` on the evaluator's metrics, bytes as the
+        :class:`placement.predict.performance.StepTimeModel` on the evaluator's metrics, bytes as the
         tie-break (the rank layout ranks the candidates of both byte objectives by it; an instance
         without a ``performance`` block falls back to ``total``, and the details say so);
         ``total`` cross-domain bytes, subject (in the rank layout) to no pipeline stage's
@@ -110,7 +88,7 @@ class SolveOptions:
         it only observes: the placement does not depend on it (the CLI draws it as a bar).
     stop_event : set by the caller to ask for the best placement found so far now (the CLI sets
         it on SIGINT/SIGTERM); solvers poll :meth:`should_stop`, which also covers the deadline.
-    moves : a move-aware re-placement (:class:`placement.model.MoveRequest`: the previous placement,
+    moves : a move-aware re-placement (:class:`placement.core.model.MoveRequest`: the previous placement,
         a moved-bytes budget or a move cost); only ``cpsat`` reads it.
     fit : how the expert maps weigh several time-ordered sampled windows (``routing.window_tokens``):
         ``robust`` the worst window, ``mean`` their sum, ``latest`` the latest only; the guard
@@ -185,7 +163,7 @@ class SolveOptions:
         if not instance.model.group_limited:
             return False
         # Several sampled windows measure the drift: free fits where their gain holds.
-        from solvers.experts.windows import FREE_FIT_MIN_GAIN_KEPT, gain_kept
+        from solvers.kernels.drift import FREE_FIT_MIN_GAIN_KEPT, gain_kept
 
         bounds = instance.routing.window_bounds()
         if len(bounds) < 2:
@@ -215,7 +193,7 @@ def group_preserving_default(instance: Instance, apply: Apply | None = None) -> 
     ``apply`` (default: the instance's ``apply`` field, else ``runtime``):
 
     - ``runtime``: the consumer maps logical to physical experts at dispatch time
-      (:mod:`placement.runtime` hooks for Megatron-Core and TorchTitan, with the checkpoint permuted
+      (:mod:`placement.consumers.runtime` hooks for Megatron-Core and TorchTitan, with the checkpoint permuted
       with ``keep_router``; SGLang's ``--init-expert-location``; vLLM's expert maps): any map is
       valid, so free maps.
     - ``checkpoint``: the map is applied by renumbering router and experts in the checkpoint
@@ -233,7 +211,7 @@ def group_preserving_default(instance: Instance, apply: Apply | None = None) -> 
 
 
 def resolve_apply(instance: Instance, apply: Apply | None = None) -> Apply:
-    """``apply`` when given, else the instance's ``apply`` field, else :data:`placement.model.DEFAULT_APPLY`."""
+    """``apply`` when given, else the instance's ``apply`` field, else :data:`placement.core.model.DEFAULT_APPLY`."""
     if apply is not None:
         return apply
     return instance.apply_mode
@@ -286,8 +264,8 @@ def heuristic_result(
     details: dict | None = None,
 ) -> SolveResult:
     """The result of a solver without a search or a bound (``default`` and the peers), its objective
-    from the evaluator (:func:`placement.cost.evaluate`, sampled tokens)."""
-    from placement.cost import evaluate
+    from the evaluator (:func:`placement.predict.cost.evaluate`, sampled tokens)."""
+    from placement.predict.cost import evaluate
 
     return SolveResult(
         placement=placement,

@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from placement.model import InfeasibleError, Instance, Placement
+from placement.core.model import InfeasibleError, Instance, Placement
 from solvers.base import SolveOptions, SolveResult
 from solvers.default import default_rank2gpu
 from solvers.experts import (
@@ -155,15 +155,15 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
     default placement (default layout, contiguous experts); the packed peer layout
     (:func:`solvers.packed.packed_rank2gpu`; not under ``layout`` ``fixed``) with contiguous experts.
     Each is scored by the one
-    evaluator (:func:`placement.cost.evaluate`) and the step-time model at the ``low``, ``mid`` and
-    ``high`` settings (:func:`placement.cost.setting_step_models`).
+    evaluator (:func:`placement.predict.cost.evaluate`) and the step-time model at the ``low``, ``mid`` and
+    ``high`` settings (:func:`placement.predict.report.setting_step_models`).
 
     Expert maps are fitted to the sampled routing, which drifts: in the drift scenario a candidate
     keeps only the share ``kept`` (:func:`solvers.experts.windows.gain_kept`: estimated from the
     sampled windows' own drift, :data:`~solvers.experts.windows.SINGLE_WINDOW_GAIN_KEPT` with one
     window) of its step-time gain over contiguous experts (a map blind to the routing) on its own
     rank layout, per setting: ``t_drift = t_contiguous + kept * (t - t_contiguous)``.  The returned
-    candidate is the max-min-regret one (:func:`placement.cost.max_min_regret`) in the drift
+    candidate is the max-min-regret one (:func:`placement.predict.report.max_min_regret`) in the drift
     scenario; candidates level there (with ``kept`` 0: every map on one rank layout) are decided by
     their max-min regret on the sampled window, then by the order above.  With ``kept`` 1 (one
     sampled window, or windows that agree) this is the max-min-regret choice on the sampled window;
@@ -182,8 +182,9 @@ def step_time_check(instance: Instance, options: SolveOptions, placement: Placem
     """
     if options.objective != "step_time":
         return {}
-    from placement.cost import evaluate, max_min_regret, setting_step_models
-    from solvers.experts.windows import gain_kept
+    from placement.predict.cost import evaluate
+    from placement.predict.report import max_min_regret, setting_step_models
+    from solvers.kernels.drift import gain_kept
     from solvers.packed import packed_rank2gpu
 
     try:
@@ -322,7 +323,7 @@ def solve_cpsat(instance: Instance, options: SolveOptions) -> SolveResult:
     else:
         step_check = step_time_check(instance, options, placement, layout_info, layout_phy2log=layout_phy2log)
     if "return_placement" in step_check:
-        from placement.cost import evaluate
+        from placement.predict.cost import evaluate
 
         placement = step_check.pop("return_placement")
         status = "feasible"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from placement.model import InfeasibleError, Instance, Placement
+from placement.core.model import InfeasibleError, Instance, Placement
 from solvers.base import SolveOptions, SolveResult, heuristic_result
 from solvers.registry import register
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from placement.model import Instance, Placement
+from placement.core.model import Instance, Placement
 from solvers.base import SolveOptions, SolveResult, heuristic_result
 from solvers.default import default_rank2gpu
 from solvers.kernels import keeps_expert_groups

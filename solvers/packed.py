@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from placement.model import Instance, Placement
+from placement.core.model import Instance, Placement
 from solvers.base import SolveOptions, SolveResult, heuristic_result
 from solvers.default import default_rank2gpu
 from solvers.registry import register

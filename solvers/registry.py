@@ -22,7 +22,7 @@ def register(name: str) -> Callable[[Solver], Solver]:
 
 
 def get_solver(name: str) -> Solver:
-    from placement.model import InvalidInputError
+    from placement.core.model import InvalidInputError
 
     try:
         return SOLVERS[name]

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from placement.model import Cluster, Instance, MoEModel, ParallelLayout, Placement, Routing
+from placement.core.model import Cluster, Instance, MoEModel, ParallelLayout, Placement, Routing
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTANCES = ROOT / "instances"

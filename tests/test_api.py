@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import placement
-from placement.cost import report
+from placement.predict.report import report
 from placement.formats import read_placement
 from solvers import SOLVERS, SolveOptions, SolveResult
 from solvers.base import default_workers
@@ -196,7 +196,7 @@ def test_solver_budget_is_the_limit_less_size_based_overheads(tiny):
 
 
 def test_default_workers_respects_a_cgroup_quota(monkeypatch):
-    import solvers.base as base
+    import placement.core.executor as base
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(base, "_cgroup_cpu_limit", lambda: None)

@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from placement.checker import check
+from placement.core.checker import check
 from placement.cli import main
 from placement.formats import MAX_GPUS, read_instance, read_placement
 from tests.conftest import INSTANCES

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from placement.calibration import (
+from placement.predict.calibration import (
     DEFAULT_FIT,
     FP8_RATIO_UNFITTED,
     MAX_SHARED,
@@ -25,9 +25,9 @@ from placement.calibration import (
     row_instance,
 )
 from placement.cli import main
-from placement.compute import ComputeRates
-from placement.performance import GPU_KINDS, Architecture, Performance, model_flops_per_token
-from placement.perfdata import (
+from placement.predict.compute import ComputeRates
+from placement.predict.performance import GPU_KINDS, Architecture, Performance, model_flops_per_token
+from placement.core.perfdata import (
     ATTENTION_EFFICIENCY,
     CALIBRATED_GEMM_EFFICIENCY,
     ELEMENTWISE_BYTES,

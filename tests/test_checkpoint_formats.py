@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from placement import checkpoint as ck
-from placement.model import InvalidInputError
-from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
+from placement.core.model import InvalidInputError
+from placement.core.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 

@@ -1,4 +1,4 @@
-"""Megatron FSDP's ``fsdp_dtensor`` checkpoints, permuted by :func:`placement.checkpoint.permute_dcp`.
+"""Megatron FSDP's ``fsdp_dtensor`` checkpoints, permuted by :func:`placement.consumers.checkpoint.permute_dcp`.
 
 Megatron FSDP needs CUDA, so no checkpoint here is written by Megatron's own code: the keys and
 shapes below are those read from its source (megatron-core 0.16.1 as installed, and Megatron-LM
@@ -50,8 +50,8 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from benchmarks.checkpoint_stream import _Writer  # noqa: E402
 from placement import checkpoint as ck  # noqa: E402
-from placement.model import InvalidInputError  # noqa: E402
-from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
+from placement.core.model import InvalidInputError  # noqa: E402
+from placement.core.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
 from tests.test_checkpoint_stream import _read_all  # noqa: E402
 
 E, H, F, V = 8, 6, 4, 10

@@ -21,9 +21,9 @@ pytest.importorskip("torch.distributed.checkpoint")
 
 from benchmarks.checkpoint_stream import Shape, _Writer, permutation_doc, write_checkpoint  # noqa: E402
 from placement import checkpoint as ck  # noqa: E402
-from placement.checkpoint import dcp as ck_dcp  # noqa: E402
-from placement.model import InvalidInputError  # noqa: E402
-from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
+from placement.consumers.checkpoint import dcp as ck_dcp  # noqa: E402
+from placement.core.model import InvalidInputError  # noqa: E402
+from placement.core.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Shape(moe_layers=2, dense_layers=1, hidden=16, moe_ffn=8, dense_ffn=16, experts=8, ep=4, vocab=32)
@@ -251,7 +251,7 @@ def test_an_interrupted_run_resumes_from_its_journal_and_writes_the_same_bytes(t
 _PEAK = """
 import json, resource, sys
 sys.path.insert(0, {root!r})
-from placement.checkpoint import permute_dcp
+from placement.consumers.checkpoint import permute_dcp
 permute_dcp(sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read()), bucket_layout=sys.argv[4], cache_bytes=4 << 20)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.model import InvalidInputError
+from placement.core.model import InvalidInputError
 from solvers.experts import build_layer_problem, linear_costs, net_crossings
 from solvers.experts.budget import StopCheck
 from solvers.experts.coarsen import (
@@ -251,7 +251,7 @@ def test_group_preserving_default_follows_the_apply_mode(tiny):
 
 def test_checkpoint_apply_solves_group_preserving_maps_and_refuses_free_ones(tiny):
     import placement
-    from placement.checker import violates_group_preservation
+    from placement.core.checker import violates_group_preservation
 
     r = placement.solve(tiny, time_limit_s=10, seed=0, num_workers=1, apply="checkpoint")
     assert violates_group_preservation(tiny, r.placement) == [] and r.params["apply"] == "checkpoint"

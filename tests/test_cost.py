@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.cost import evaluate, report
-from placement.model import Cluster, Instance, MoEModel, ParallelLayout, Placement, Routing
+from placement.predict.cost import evaluate
+from placement.predict.report import report
+from placement.core.model import Cluster, Instance, MoEModel, ParallelLayout, Placement, Routing
 from tests.conftest import random_instance, random_placement
 
 

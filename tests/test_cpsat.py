@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement
-from placement.checker import check
+from placement.core.checker import check
 from placement.cli import main
-from placement.cost import evaluate
+from placement.predict.cost import evaluate
 from placement.formats import write_instance
 from solvers.default import default_rank2gpu
 from tests.conftest import INSTANCES, random_instance
@@ -30,7 +30,7 @@ def test_cpsat_on_tiny_is_valid_scored_by_the_evaluator_and_bounded(tiny, mode):
     inst = tiny.with_cost_mode(mode)
     # group_preserving on: with layout="fixed" the default is free (serving consumers map experts themselves)
     # pipeline_split=False: the solver's bytes are counted on the instance's layer split, which a
-    # chosen split would change (placement.pipeline_split moves MoE layers between stages)
+    # chosen split would change (placement.predict.pipeline_split moves MoE layers between stages)
     result = placement.solve(inst, solver="cpsat", time_limit_s=20, seed=0, num_workers=1, layout="fixed",
                              group_preserving=True, pipeline_split=False)
     pl = result.placement
@@ -130,8 +130,8 @@ def test_an_instance_written_and_read_back_solves_the_same(tmp_path, tiny):
 def test_the_solvers_slice_rule_agrees_with_the_verifiers(seed, ep):
     """cpsat checks DeepEP's equal consecutive slices with its own code; the verifier has its own:
     on random layouts (and on layouts made of equal slices) the two agree on every EP group."""
-    from placement.checker import deepep_violations
-    from placement.model import Placement
+    from placement.core.checker import deepep_violations
+    from placement.core.model import Placement
     from solvers.cpsat import equal_slices_breaks
 
     rng = np.random.default_rng(seed)

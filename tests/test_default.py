@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from placement.checker import check, deepep_violations, violates_group_preservation
-from placement.model import InfeasibleError
+from placement.core.checker import check, deepep_violations, violates_group_preservation
+from placement.core.model import InfeasibleError
 from solvers.default import default_placement, default_rank2gpu
 from tests.conftest import random_instance
 
@@ -41,7 +41,7 @@ def test_not_enough_gpus_is_infeasible():
 def test_deepep_rule_checker():
     rng = np.random.default_rng(0)
     inst = random_instance(rng, num_domains=2, trays_per_domain=2, gpus_per_tray=2, ep=4, dp=4, pp=1)
-    from placement.model import Placement
+    from placement.core.model import Placement
 
     ok = Placement(np.array([0, 1, 4, 5]), np.tile(np.arange(8), (3, 1)))
     assert deepep_violations(inst, ok) == []

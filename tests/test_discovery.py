@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 
 import placement
 from placement.cli import main
-from placement.discovery import cluster_document, expand_hostlist
-from placement.discovery.kubernetes import parse_kubernetes
-from placement.discovery.nvidia_smi import parse_nvidia_smi
-from placement.discovery.slurm import node_state_usable, parse_slurm
+from placement.sources.discovery import cluster_document, expand_hostlist
+from placement.sources.discovery.kubernetes import parse_kubernetes
+from placement.sources.discovery.nvidia_smi import parse_nvidia_smi
+from placement.sources.discovery.slurm import node_state_usable, parse_slurm
 from placement.formats import read_instance, write_instance
-from placement.hostfile import slurm_hostfile
-from placement.model import InvalidInputError
-from placement.plan.job import cluster_spec_from_document, read_cluster
+from placement.consumers.hostfile import slurm_hostfile
+from placement.core.model import InvalidInputError
+from placement.formats.job import cluster_spec_from_document, read_cluster
 from tests.conftest import INSTANCES
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ def test_nvidia_smi_host_without_a_registered_gpu_is_an_error_or_left_out(tmp_pa
 
 
 def test_api_reports_each_host_left_out_as_one_warning(tmp_path):
-    from placement.discovery import UnreadyHostWarning
+    from placement.sources.discovery import UnreadyHostWarning
 
     files = _smi_cluster(tmp_path, {"gb001": (OK,) * 4, "gb002": (IN_PROGRESS,) * 4, "gb003": (INSUFFICIENT,) * 4})
     with pytest.raises(InvalidInputError, match="host gb002.*--skip-unready"):

@@ -1,4 +1,4 @@
-"""The dispatcher's node rule (placement.dispatch) in the evaluator, the solve and the HybridEP export.
+"""The dispatcher's node rule (placement.core.dispatch) in the evaluator, the solve and the HybridEP export.
 
 Hand counts on hand-made instances: an EP group of 64 split 8/56 over two racks runs as HybridEP
 runs it (nodes of 8, RDMA between nodes of one rack, landing on the sender's local index); a 32/32
@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from placement import export as ex
-from placement.cost import evaluate, sampled_token_weight
-from placement.dispatch import node_labels, node_size
-from placement.model import Cluster, Instance, MoEModel, ParallelLayout, Placement, Routing
+from placement.consumers import export as ex
+from placement.predict.cost import evaluate, sampled_token_weight
+from placement.core.dispatch import node_labels, node_size
+from placement.core.model import Cluster, Instance, MoEModel, ParallelLayout, Placement, Routing
 from tests.conftest import INSTANCES
 
 
@@ -155,7 +155,7 @@ def test_no_returned_placement_breaks_its_dispatchers_rule(tiny, down, order):
     rule, or says it could not (consumer_fallback) and HybridEP runs its nodes; a DeepEP-dispatcher
     copy is solved under DeepEP's rule or refused."""
     from placement.api import solve
-    from placement.model import InfeasibleError
+    from placement.core.model import InfeasibleError
     from solvers.layout.rules import equal_slice_breaks
 
     cl = tiny.cluster
@@ -208,9 +208,9 @@ def test_hybridep_with_fp8_dispatch_bytes_is_refused_naming_the_field(tmp_path, 
 def test_doctests():
     import doctest
 
-    import placement.dispatch
+    import placement.core.dispatch
 
-    assert doctest.testmod(placement.dispatch).failed == 0
+    assert doctest.testmod(placement.core.dispatch).failed == 0
 
 
 def test_deepep_group_inside_one_rack_is_one_nvlink_node():

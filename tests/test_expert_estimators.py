@@ -2,7 +2,7 @@
 per stage, both cost modes.
 
 The expert side estimates two things for speed and both are exact, not approximate: a map's
-crossings times ``LayerProblem.bytes_per_crossing`` (from ``placement.cost.fabric_bytes_per_crossing``)
+crossings times ``LayerProblem.bytes_per_crossing`` (from ``placement.predict.cost.fabric_bytes_per_crossing``)
 are the evaluator's cross-domain bytes of the layer, and the class loads, balanced onto GPUs and
 measured by ``rank_load_ratio``, are the evaluator's expert load max/mean of the layer.  (The expert
 side estimates no all-to-all time; times come from the evaluator only.)
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.cost import evaluate
-from placement.model import Placement
+from placement.predict.cost import evaluate
+from placement.core.model import Placement
 from solvers.experts import balance_ranks, build_layer_problem, greedy_expert_domains, net_crossings, rank_load_ratio
 from tests.conftest import random_instance
 

@@ -1,7 +1,7 @@
 """The expert placer (solvers/experts/) and its bounds (solvers/experts/bounds.py).
 
 References are brute force over every map on small random instances, and the evaluator
-(placement.cost.evaluate) for every cost the placer computes itself.
+(placement.predict.cost.evaluate) for every cost the placer computes itself.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.checker import check, violates_group_preservation
-from placement.cost import evaluate
-from placement.model import InvalidInputError, Placement
+from placement.core.checker import check, violates_group_preservation
+from placement.predict.cost import evaluate
+from placement.core.model import InvalidInputError, Placement
 from solvers.base import SolveOptions
 from solvers.default import default_rank2gpu
 from solvers.experts import (

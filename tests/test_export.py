@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from placement import export as ex
 from placement.cli import main
 from placement.formats import placement_document, read_instance, write_instance, write_placement
-from placement.model import InfeasibleError, InvalidInputError, Placement
+from placement.core.model import InfeasibleError, InvalidInputError, Placement
 from solvers.default import default_placement, default_rank2gpu
 from tests.conftest import INSTANCES, random_instance
 
@@ -324,7 +324,7 @@ def test_env_reader():
 
 
 # ---------------------------------------------------------------------------------------------
-# Slurm (the host file itself is written by placement.hostfile)
+# Slurm (the host file itself is written by placement.consumers.hostfile)
 # ---------------------------------------------------------------------------------------------
 def test_slurm_launch_round_trip(tiny):
     rng = np.random.default_rng(7)
@@ -440,7 +440,7 @@ def _tiny_pair():
 
 @pytest.mark.parametrize("stack", ["megatron", "torchtitan"])
 def test_keep_router_exports_a_group_breaking_map_that_only_the_dispatch_time_route_applies(tiny, stack):
-    from placement.permutation import check_permutation, read_expert_permutation
+    from placement.core.permutation import check_permutation, read_expert_permutation
 
     rng = np.random.default_rng(9)
     while True:
@@ -451,7 +451,7 @@ def test_keep_router_exports_a_group_breaking_map_that_only_the_dispatch_time_ro
     assert doc["group_limited"] and not doc["group_preserving"]
     layers, _ = read_expert_permutation(doc)
     np.testing.assert_array_equal(np.stack([layers[i] for i in tiny.model.moe_layers]), p2l)
-    # the checkpoint tool applies it only with keep_router (router left logical for placement.runtime)
+    # the checkpoint tool applies it only with keep_router (router left logical for placement.consumers.runtime)
     with pytest.raises(InfeasibleError, match="across groups"):
         check_permutation(0, layers[tiny.model.moe_layers[0]], tiny.model.num_groups)
     check_permutation(0, layers[tiny.model.moe_layers[0]], 1)  # what permute_entries(keep_router=True) checks

@@ -11,7 +11,7 @@ import pytest
 
 from placement.cli import main
 from placement.formats import json_schemas, read_instance, write_instance
-from placement.model import InvalidInputError
+from placement.core.model import InvalidInputError
 from tests.conftest import INSTANCES, ROOT
 
 

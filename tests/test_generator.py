@@ -1,4 +1,4 @@
-"""Tests of placement.generator: shapes, determinism, group-limited routing, calibration, drift."""
+"""Tests of placement.sources.generator: shapes, determinism, group-limited routing, calibration, drift."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement import generator
-from placement.generator import describe_calibration, generate_routing
+from placement.sources.generator import describe_calibration, generate_routing
 
 SMALL = dict(num_layers=3, num_sources=4, tokens_per_source=16, num_windows=2, num_experts=32, top_k=4)
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from placement.cli import main
 from placement.formats import read_instance
-from placement.importers import ImportOptions, build_routing, import_instance
-from placement.model import InvalidInputError
+from placement.sources.importers import ImportOptions, build_routing, import_instance
+from placement.core.model import InvalidInputError
 
 E, K = 8, 2
 MODEL = {
@@ -376,7 +376,7 @@ class _RequestOutput:
 
 
 def test_vllm_captures_import(tmp_path):
-    from placement.importers.vllm import save_routed_experts
+    from placement.sources.importers.vllm import save_routed_experts
 
     rng = np.random.default_rng(11)
     par = dict(PARALLEL, pp=1, stage_layers=[[0, 1, 2, 3]], ep=2)
@@ -516,7 +516,7 @@ def test_build_routing_refuses_nothing():
 # ---------------------------------------------------------------------------------------------
 def test_routing_stats_against_brute_force():
     from placement import stats
-    from placement.stats import routing_stats
+    from placement.core.stats import routing_stats
     from tests.conftest import random_instance
 
     inst = random_instance(np.random.default_rng(13), num_experts=8, top_k=2, dp=3, tokens=7, moe_layers=3)
@@ -550,7 +550,7 @@ def test_routing_stats_against_brute_force():
     assert st_["tokens_per_source"] == {"fit": T, "heldout": held.shape[2]}
 
 
-# the per-array statistics of placement.stats (python -m placement.realroute --stats)
+# the per-array statistics of placement.core.stats (python -m placement.sources.realroute --stats)
 def test_array_stats_against_brute_force():
     from placement import stats
 
@@ -652,7 +652,7 @@ def test_megatron_reader_fuzz_only_input_errors(tmp_path_factory, junk):
 
 
 def test_token_cap_beyond_the_instance_limit_is_refused(tmp_path, monkeypatch):
-    import placement.importers.core as core_mod
+    import placement.sources.importers.core as core_mod
 
     monkeypatch.setattr(core_mod, "MAX_ROUTING_IDS", 100)
     ids = _routing(np.random.default_rng(15), steps=2, micro=1, tokens=20)

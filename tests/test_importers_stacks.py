@@ -59,7 +59,7 @@ def megatron_gpt():
 def test_megatron_core_router_trace_imports_and_solves(megatron_gpt, tmp_path, capsys):
     import torch
 
-    from placement.importers.recorder import RouterRecorder, megatron_routers
+    from placement.sources.importers.recorder import RouterRecorder, megatron_routers
 
     model, forward = megatron_gpt
     routers = megatron_routers(model)
@@ -123,7 +123,7 @@ def torchtitan_moes():
 def test_torchtitan_moe_router_recorded_imports_and_solves(torchtitan_moes, tmp_path, capsys):
     import torch
 
-    from placement.importers.recorder import RouterRecorder
+    from placement.sources.importers.recorder import RouterRecorder
 
     moes = torchtitan_moes
     parallel = {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "order": "tp-cp-ep-dp-pp", "stage_layers": [[0, 1]],

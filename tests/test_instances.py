@@ -1,11 +1,11 @@
-"""The committed instances are exactly what `python -m placement.instances instances/` builds."""
+"""The committed instances are exactly what `python -m placement.sources.instances instances/` builds."""
 
 from __future__ import annotations
 
 import pytest
 
 from placement.formats import read_instance
-from placement.instances import SPECS, build_all
+from placement.sources.instances import SPECS, build_all
 from tests.conftest import INSTANCES
 
 
@@ -38,7 +38,7 @@ def test_headline_instance_matches_the_design():
 def real_stats():
     """The trained model's statistics (docs/real_routing.md): real_ep64's final routing, and its drift
     from the 10 % checkpoint (real_ep64_c10) to the final one."""
-    from placement.stats import realism_stats
+    from placement.core.stats import realism_stats
 
     final = read_instance(INSTANCES / "real_ep64.json")
     early = read_instance(INSTANCES / "real_ep64_c10.json")
@@ -54,7 +54,7 @@ def test_committed_synthetic_routing_is_within_20_percent_of_the_trained_model(n
     reachable experts, so co-activation cannot rise much above independent routing (1.55 against 2.26)."""
     import numpy as np
 
-    from placement.stats import realism_stats
+    from placement.core.stats import realism_stats
 
     inst = read_instance(INSTANCES / f"{name}.json")
     L = inst.model.num_moe_layers

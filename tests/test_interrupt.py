@@ -25,7 +25,7 @@ import pytest
 
 import placement.api
 from placement.api import FINISH_RESERVE_S, Interrupted, SignalStop
-from placement.checker import check
+from placement.core.checker import check
 from placement.cli import EXIT_SIGINT, EXIT_SIGTERM, main
 from placement.formats import read_instance, read_placement
 from solvers import SOLVERS, SolveOptions, SolveResult

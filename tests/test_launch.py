@@ -14,7 +14,7 @@ from placement import export as ex
 from placement import launch
 from placement.cli import main
 from placement.formats import placement_document, write_placement
-from placement.model import Placement
+from placement.core.model import Placement
 from solvers.default import default_placement
 from tests.conftest import INSTANCES
 
@@ -234,8 +234,8 @@ def test_etp_field_read_and_unsupported_values_refused(tmp_path, tiny, capsys):
 def test_verifier_flags_an_unsupported_etp(tiny):
     from dataclasses import replace
 
-    from placement.cost import report
-    from placement.verify import verify_document
+    from placement.predict.report import report
+    from placement.app.verify import verify_document
 
     p = default_placement(tiny)
     doc = placement_document(tiny, p, solver="test", metrics=report(tiny, p))
@@ -250,7 +250,7 @@ def test_solve_refuses_an_unsupported_etp_built_in_memory(tiny):
     from dataclasses import replace
 
     import placement as api
-    from placement.model import InvalidInputError
+    from placement.core.model import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="parallel.etp"):
         api.solve(replace(tiny, parallel=replace(tiny.parallel, etp=2)), solver="default", time_limit_s=5)

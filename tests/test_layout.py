@@ -1,4 +1,4 @@
-"""The rank-layout optimizer (solvers/layout/) and the Slurm hostfile (placement/hostfile.py)."""
+"""The rank-layout optimizer (solvers/layout/) and the Slurm hostfile (placement/consumers/hostfile.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from placement.checker import check, deepep_violations
-from placement.cost import evaluate
-from placement.model import Cluster, InfeasibleError, Instance, Placement
+from placement.core.checker import check, deepep_violations
+from placement.predict.cost import evaluate
+from placement.core.model import Cluster, InfeasibleError, Instance, Placement
 from solvers.base import SolveOptions
 from solvers.default import default_rank2gpu
 from solvers.layout import (
@@ -197,7 +197,7 @@ def test_estimate_holds_against_the_evaluator_with_several_ep_groups_per_stage(s
 
 
 def test_estimate_group_preserving_map_is_group_preserving(tiny):
-    from placement.checker import violates_group_preservation
+    from placement.core.checker import violates_group_preservation
 
     r2g = default_rank2gpu(tiny)
     est = estimate_layout(tiny, r2g, group_preserving=True)
@@ -265,7 +265,7 @@ def test_zero_cross_domain_on_a_built_instance_with_racks_to_spare():
     """The committed tiny spec on one more domain: every EP group (8) fits one domain (8 GPUs)."""
     import dataclasses
 
-    from placement.instances import SPECS, build
+    from placement.sources.instances import SPECS, build
 
     spec = dataclasses.replace(SPECS["tiny"], num_domains=6, trays_per_domain=4, gpus_per_tray=2, trays_down=5)
     inst = build(spec)
@@ -319,7 +319,7 @@ def test_deepep_rule_holds_when_asked():
 @given(seed=st.integers(0, 2**16), slices=st.sampled_from([1, 2, 4]))
 def test_the_layouts_own_equal_slice_rule_agrees_with_the_verifier(seed, slices):
     """``solvers.layout.rules`` reads the DeepEP/HybridEP rule on its own; the verifier's reading
-    (placement.checker) must agree on layouts built to hold it and on random ones."""
+    (placement.core.checker) must agree on layouts built to hold it and on random ones."""
     from solvers.layout.rules import equal_slice_breaks
 
     rng = np.random.default_rng(seed)
@@ -398,7 +398,7 @@ def test_stage_footprints_counts(tiny):
 # Slurm hostfile
 # ---------------------------------------------------------------------------------------------
 def test_slurm_hostfile_one_host_per_rank(tiny):
-    from placement.hostfile import cuda_visible_devices, local_rank_mismatches, slurm_hostfile
+    from placement.consumers.hostfile import cuda_visible_devices, local_rank_mismatches, slurm_hostfile
 
     plan = _plan(tiny)
     lines = slurm_hostfile(tiny, plan.rank2gpu).splitlines()
@@ -417,7 +417,7 @@ def test_slurm_hostfile_one_host_per_rank(tiny):
 
 
 def test_cuda_visible_devices_when_a_host_runs_fewer_ranks():
-    from placement.hostfile import cuda_visible_devices, local_rank_mismatches
+    from placement.consumers.hostfile import cuda_visible_devices, local_rank_mismatches
 
     rng = np.random.default_rng(0)
     inst = random_instance(rng, num_experts=8, top_k=2, ep=2, dp=2, pp=1, num_domains=1, trays_per_domain=2,

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placement.formats import read_instance
-from placement.model import Routing
+from placement.core.model import Routing
 from solvers.base import SolveOptions
 from solvers.default import default_rank2gpu
 from solvers.experts import (

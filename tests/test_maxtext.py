@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from placement import export as ex
-from placement.maxtext import MAXTEXT_MESH_AXES, maxtext_export
-from placement.model import InfeasibleError, Placement
+from placement.consumers.maxtext import MAXTEXT_MESH_AXES, maxtext_export
+from placement.core.model import InfeasibleError, Placement
 from tests.conftest import random_instance
 
 # Build the mesh exactly as the export says (jax.sharding.Mesh over the row-major device order),

@@ -1,4 +1,4 @@
-"""placement.migrate's pure parts and placement.controller's decision, in one process.
+"""placement.consumers.migrate's pure parts and placement.plan.controller's decision, in one process.
 
 The multi-process migrations on the stacks' own code are tests/stacks/test_migrate_stacks.py.
 """
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.controller import ReplacementController
-from placement.migrate import MAP_KIND, MigrationError, load_map, map_state, maps_from_state, plan_moves, save_map
-from placement.model import InvalidInputError
+from placement.plan.controller import ReplacementController
+from placement.consumers.migrate import MAP_KIND, MigrationError, load_map, map_state, maps_from_state, plan_moves, save_map
+from placement.core.model import InvalidInputError
 
 
 def _apply(old: list[int], moves: list[tuple[int, int]]) -> list[int]:
@@ -121,7 +121,7 @@ def test_a_replica_map_entry_round_trips_with_its_expert_count(tmp_path):
 
 def test_unsupported_optimizers_are_refused_in_one_line():
     torch = pytest.importorskip("torch")
-    from placement.migrate import _optimizer_states
+    from placement.consumers.migrate import _optimizer_states
 
     class DistributedOptimizer:  # the name Megatron-Core's sharded optimizer has
         optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
@@ -143,7 +143,7 @@ def test_precision_aware_distributed_optimizers_are_refused_in_one_line():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from placement.migrate import _optimizer_states
+    from placement.consumers.migrate import _optimizer_states
 
     class DistributedOptimizer:  # Megatron-Core's, with its shard maps
         model_param_gbuf_map: dict = {}
@@ -165,7 +165,7 @@ def test_dp_layout_matches_the_owner_of_every_element(dp, bucket_sizes):
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from placement.migrate import _dp_layout
+    from placement.consumers.migrate import _dp_layout
 
     offsets = np.cumsum([0] + bucket_sizes)
     buckets = [SimpleNamespace(offset=int(o), grad_data=torch.zeros(n)) for o, n in zip(offsets, bucket_sizes)]

@@ -1,4 +1,4 @@
-"""Move-aware re-placement (placement/moves.py, solvers/experts/moves.py): the accounting against an
+"""Move-aware re-placement (placement/predict/moves.py, solvers/experts/moves.py): the accounting against an
 independent count, the swap kernel's linear term against brute force, the budget never exceeded,
 a zero budget returning the previous placement byte for byte, bad previous files exiting 2."""
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import placement
 from placement.cli import main
-from placement.model import InvalidInputError, Placement
-from placement.moves import (
+from placement.core.model import InvalidInputError, Placement
+from placement.predict.moves import (
     MoveRequest,
     count_moves,
     expert_params,
@@ -145,7 +145,7 @@ def test_a_free_previous_map_re_placed_with_free_moves_gains_and_is_deterministi
     """Re-placing from a free previous map on tiny's small-node default layout with free moves (the
     searches start at its nearest group-preserving map): a valid placement, no more sampled
     cross-domain bytes than the previous one, the same bytes twice."""
-    from placement.cost import evaluate
+    from placement.predict.cost import evaluate
 
     prev = default_placement(tiny)
     swapped = prev.phy2log.copy()
@@ -320,14 +320,14 @@ def test_a_checkpoint_re_placement_keeps_groups_whole_and_accepts_only_a_group_p
     """With ``apply="checkpoint"`` a re-placement of a group-limited model keeps expert groups whole
     although its rank layout is fixed; the check of the previous placement applies the same rule, and
     the default ``apply="runtime"`` takes a free previous map."""
-    from placement.checker import violates_group_preservation
+    from placement.core.checker import violates_group_preservation
 
     assert tiny.model.group_limited
     prev = default_placement(tiny)
     r = placement.solve(tiny, time_limit_s=10, num_workers=1, previous=prev, move_cost=0.0, apply="checkpoint")
     assert violates_group_preservation(tiny, r.placement) == []
     # it re-placed, or proved the previous map optimal: on tiny's default layout HybridEP runs small
-    # nodes (placement.dispatch), and under that pricing no group-preserving move gains
+    # nodes (placement.core.dispatch), and under that pricing no group-preserving move gains
     assert r.details["moves"]["moved_replicas"] > 0 or (
         r.details["moves"]["gain"]["cross_domain_bytes_per_step"] == 0.0
         and all(layer["status"] == "optimal" for layer in r.details["layers"]))

@@ -15,8 +15,8 @@ import pytest
 
 from placement.cli import main as cli_main
 from placement.formats import read_instance, write_instance
-from placement.instances import SPECS, build
-from placement.model import InvalidInputError
+from placement.sources.instances import SPECS, build
+from placement.core.model import InvalidInputError
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_solve_verify_and_export_carry_the_mtp_layer(mtp_instance, tmp_path):
         doc = json.loads(perm.read_text())
         assert sorted(doc["layers"]) == ["1", "2", "3", "4"] and doc["mtp_num_layers"] == 1
         assert doc["layers"]["4"] == placement["phy2log"][3]
-    from placement.export import parse_sglang_expert_location, sglang_expert_location
+    from placement.consumers.export import parse_sglang_expert_location, sglang_expert_location
     from placement.formats import read_placement
 
     inst = read_instance(mtp_instance)
@@ -91,7 +91,7 @@ def test_solve_verify_and_export_carry_the_mtp_layer(mtp_instance, tmp_path):
 def test_the_step_time_model_routes_the_mtp_layer_through_its_own_map(mtp_instance):
     """The last stage runs decoder layers 2, 3 (MoE positions 1, 2), the MTP layer with its own
     all-to-all (MoE position 3, not the last decoder layer's as a stand-in) and the head (-2)."""
-    from placement.performance import StepTimeModel
+    from placement.predict.performance import StepTimeModel
 
     assert StepTimeModel(read_instance(mtp_instance))._moe_idx[-1].tolist() == [1, 2, 3, -2]
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import solvers.eplb
 import solvers.kahypar
-from placement.checker import check
-from placement.cost import evaluate
-from placement.model import Instance, InvalidInputError, Placement
+from placement.core.checker import check
+from placement.predict.cost import evaluate
+from placement.core.model import Instance, InvalidInputError, Placement
 from solvers import SOLVERS, SolveOptions
 from solvers.default import default_placement
 from solvers.eplb import balanced_packing, hierarchical_packing, pack_within_nodes, stage_rank_nodes
@@ -273,14 +273,14 @@ def test_kahypar_missing_module_gives_install_hint(monkeypatch, tiny):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    from placement.model import SolverError
+    from placement.core.model import SolverError
 
     with pytest.raises(SolverError, match=r"pip install -e '\.\[peers\]'"):
         SOLVERS["kahypar"](tiny.for_solver(), SolveOptions(time_limit_s=5))
 
 
 def _tiny_layer_job(tiny):
-    from placement.cost import LayoutIndex
+    from placement.predict.cost import LayoutIndex
     from solvers.default import default_rank2gpu
 
     r2g = default_rank2gpu(tiny)
@@ -331,7 +331,7 @@ def test_kahypar_honours_a_tiny_time_limit_inside_a_wide_layer():
     import time
 
     from placement.formats import read_instance
-    from placement.model import Routing
+    from placement.core.model import Routing
     from tests.conftest import INSTANCES
 
     inst = read_instance(INSTANCES / "real_ep64.json").for_solver()
@@ -404,7 +404,7 @@ def test_benchmark_runs_on_tiny_and_writes_json(tmp_path, capsys):
     assert bench.main(["--instances", "tiny", "--peers", "default", "--time-limit", "5", "--workers", "1",
                        "--keep-pipeline-layout", "--json", str(out)]) == 0
     from placement.formats import read_instance
-    from placement.pipeline_layout import instance_chunks, render_layout
+    from placement.core.pipeline_layout import instance_chunks, render_layout
     from tests.conftest import ROOT
 
     kept = render_layout(instance_chunks(read_instance(ROOT / "instances" / "tiny.json")))
@@ -466,7 +466,7 @@ def test_ours_default_mode_predicts_at_least_every_peer_on_the_sampled_window_at
     every peer of benchmarks/peers.py, in predicted TFLOP/s per GPU on the sampled window at the low,
     mid and high settings of the step-time model (each with the pipeline split its solve chose), and
     the choice made in the drift scenario with the packed peer's layout among the candidates."""
-    from placement.performance import SETTINGS
+    from placement.predict.performance import SETTINGS
 
     ours, peers = tiny_ours_and_peers
     assert ours.params["apply"] == "runtime"
@@ -493,7 +493,7 @@ def test_ours_default_mode_predicts_at_least_every_peer_held_out_tflops_at_every
     """issue 21 item 6 on the small instance: ours in its default mode (apply runtime, step_time) against
     every peer of benchmarks/peers.py, in predicted held-out TFLOP/s per GPU at the low, mid and high
     settings of the step-time model."""
-    from placement.performance import SETTINGS
+    from placement.predict.performance import SETTINGS
 
     ours, peers = tiny_ours_and_peers
     for name, peer in peers.items():

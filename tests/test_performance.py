@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.cost import evaluate, report
+from placement.predict.cost import evaluate
+from placement.predict.report import report
 from placement.formats import read_instance
-from placement.model import InvalidInputError
-from placement.perfdata import ATTENTION_EFFICIENCY
-from placement.performance import (
+from placement.core.model import InvalidInputError
+from placement.core.perfdata import ATTENTION_EFFICIENCY
+from placement.predict.performance import (
     DEEPSEEK_V3,
     GPU_KINDS,
     SETTINGS,
@@ -396,7 +397,7 @@ def test_data_model_imports_neither_the_step_time_model_nor_the_evaluator():
         tree = ast.parse((root / name).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not imported & {"placement.performance", "placement.cost", "placement.calibration"}, name
+        assert not imported & {"placement.predict.performance", "placement.predict.cost", "placement.predict.calibration"}, name
     assert not {m for m in imported if m.startswith("placement")}  # perfdata: pure data
 
 
@@ -417,7 +418,7 @@ def test_a_dense_layer_never_costs_more_than_a_balanced_moe_layer_with_as_many_f
     m=st.integers(1, 1 << 16), n=st.integers(1, 1 << 16), k=st.integers(1, 1 << 16), grow=st.integers(1, 1 << 12)
 )
 def test_a_larger_gemm_never_runs_at_a_lower_rate(m, n, k, grow):
-    from placement.compute import ComputeRates, Gemm
+    from placement.predict.compute import ComputeRates, Gemm
 
     rates = ComputeRates(TINY.performance)
     rate = lambda g: g.flops / rates.gemm_s([g])  # noqa: E731

@@ -13,11 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.cost import evaluate, report
+from placement.predict.cost import evaluate
+from placement.predict.report import report
 from placement.formats import read_instance
-from placement.model import Cluster, InvalidInputError, Placement
-from placement.performance import StepTimeModel, p2p_bytes_per_boundary, stage_items
-from placement.pipeline_layout import (
+from placement.core.model import Cluster, InvalidInputError, Placement
+from placement.predict.performance import StepTimeModel, p2p_bytes_per_boundary, stage_items
+from placement.core.pipeline_layout import (
     chunk_decoder_layers,
     legacy_chunks,
     parse_layout,
@@ -27,7 +28,7 @@ from placement.pipeline_layout import (
     validate_chunks,
     with_layout,
 )
-from placement.pipeline_split import best_bottleneck_split, choose_layout, improve_split
+from placement.predict.pipeline_split import best_bottleneck_split, choose_layout, improve_split
 from solvers.default import default_rank2gpu
 from tests.conftest import INSTANCES
 
@@ -187,7 +188,7 @@ def test_mtp_and_loss_are_priced_on_the_stages_that_hold_them(tiny):
     par, arch, h = tiny.parallel, perf.architecture, tiny.model.hidden_size
     tokens = par.micro_batch * par.seq_len / (par.tp * par.cp)
     # The output GEMM (tokens, vocab / tp, h) at ceiling x peak x FP8 share x s(M) s(N) s(K),
-    # s(x) = x / (x + gemm_half_shape) (placement.compute).
+    # s(x) = x / (x + gemm_half_shape) (placement.predict.compute).
     share = perf.fp8_gemm_ratio if perf.precision != "bf16" else 1.0
     s = [x / (x + perf.gemm_half_shape) for x in (tokens, arch.vocab_size / par.tp, h)]
     rate = perf.peak_flops_per_s * perf.gemm_efficiency * share * s[0] * s[1] * s[2]
@@ -361,8 +362,8 @@ def test_instance_layout_errors_name_the_field(tmp_path):
 
 def test_solve_records_the_chosen_layout_and_exports_it(tmp_path, tiny):
     from placement.api import save_result, solve, verify_placement
-    from placement.export import export_file
-    from placement.launch import megatron_args, torchtitan_args, torchtitan_module_fqns
+    from placement.consumers.export import export_file
+    from placement.consumers.launch import megatron_args, torchtitan_args, torchtitan_module_fqns
 
     res = solve(tiny, time_limit_s=8, seed=0, num_workers=1)
     chosen = res.details["pipeline_layout"]["chosen"]

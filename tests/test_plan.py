@@ -14,15 +14,15 @@ import pytest
 
 import placement
 from placement.cli import main
-from placement.executor import LocalExecutor, make_executor
+from placement.core.executor import LocalExecutor, make_executor
 from placement.formats import dumps
-from placement.model import InfeasibleError, InvalidInputError
-from placement.performance import Architecture, StepTimeModel
-from placement.pipeline_layout import parse_layout
+from placement.core.model import InfeasibleError, InvalidInputError
+from placement.predict.performance import Architecture, StepTimeModel
+from placement.core.pipeline_layout import parse_layout
 from placement.plan.bounds import compute_bound_step_s, load_lower_bound, tokens_per_s_bound
 from placement.plan.candidates import CandidateSpace, enumerate_candidates, parse_candidates, stage_split
 from placement.plan.evaluate import regroup, segment_rank2gpu
-from placement.plan.job import Training, read_cluster, read_job
+from placement.formats.job import Training, read_cluster, read_job
 from placement.plan.memory import activation_bytes_per_token, memory_estimate
 from placement.plan.planner import plan
 from placement.plan.report import plan_document
@@ -136,8 +136,8 @@ def test_activation_per_layer_is_korthikantis_34_sbh_for_a_gelu_gpt():
         pass
 
     j = J()
-    j.model = placement.model.MoEModel("gpt", 2, (1,), 8, 2, 1, 1, 1024, 1, 1)  # type: ignore[attr-defined]
-    j.performance = placement.performance.Performance(  # type: ignore[attr-defined]
+    j.model = placement.core.model.MoEModel("gpt", 2, (1,), 8, 2, 1, 1, 1024, 1, 1)  # type: ignore[attr-defined]
+    j.performance = placement.predict.performance.Performance(  # type: ignore[attr-defined]
         "gb200", "bf16", Architecture("gqa", 16, 4096, 512, 0, 1024, swiglu=False, num_query_groups=16, kv_channels=64))
     assert activation_bytes_per_token(j, moe=False) == 34 * 1024
 
@@ -343,8 +343,8 @@ def test_segment_rule_puts_every_ep_group_in_one_rack(tiny_plans):
 def test_load_lower_bound_against_brute_force_and_the_evaluator(tiny):
     """The bound is at most the best balanced assignment (brute force over every map of 6 experts
     to 3 ranks x 2 slots) and at most the evaluator's load of random maps on tiny."""
-    from placement.cost import evaluate
-    from placement.model import Placement
+    from placement.predict.cost import evaluate
+    from placement.core.model import Placement
 
     rng = np.random.default_rng(3)
     for _ in range(20):
@@ -504,19 +504,19 @@ def test_pruning_never_drops_the_winner_on_other_cluster_states(tmp_path, trays_
 
 
 def test_ray_executor_is_optional():
-    """Without the ray extra (or h2's placement.ray_executor), ``ray`` is a one-line input error."""
+    """Without the ray extra (or h2's placement.core.ray_executor), ``ray`` is a one-line input error."""
     try:
-        import placement.ray_executor  # noqa: F401
+        import placement.core.ray_executor  # noqa: F401
     except ImportError:
         with pytest.raises(InvalidInputError, match="ray"):
             make_executor("ray", workers=1)
     else:
-        pytest.skip("placement.ray_executor is installed: its own tests cover it")
+        pytest.skip("placement.core.ray_executor is installed: its own tests cover it")
 
 
 def test_plan_from_an_in_memory_instance(tiny, tiny_plans):
     """What a notebook does: job and cluster from an instance, its routing passed as arrays."""
-    from placement.plan.job import cluster_from_instance, job_from_instance
+    from placement.formats.job import cluster_from_instance, job_from_instance
 
     job = dataclasses.replace(job_from_instance(tiny), name="tiny_job")
     cluster = dataclasses.replace(cluster_from_instance(tiny, gpu_hbm_gb=1.0, hbm_reserve_gb=0.0), name="tiny_cluster")
@@ -531,7 +531,7 @@ def test_plan_from_an_in_memory_instance(tiny, tiny_plans):
 def test_a_job_may_ask_for_the_generator_fitted_to_trained_routing(tmp_path):
     """``routing.generator`` takes every ``generate_routing`` argument, ``TRAINED_MODEL_PARAMS``'
     ``topic_strength`` included, and the plan's routing is that generator's output."""
-    from placement.generator import TRAINED_MODEL_PARAMS, generate_routing
+    from placement.sources.generator import TRAINED_MODEL_PARAMS, generate_routing
 
     gen = {"seed": 3, "num_sources": 4, "tokens_per_source": 8, **TRAINED_MODEL_PARAMS}
     job = read_job(_write(tmp_path, "job.json", _job_doc(routing={"generator": gen})))

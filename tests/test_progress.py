@@ -1,4 +1,4 @@
-"""placement.progress: when a bar is drawn, and that it counts the work either way."""
+"""placement.core.progress: when a bar is drawn, and that it counts the work either way."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from placement.progress import ENV_VAR, progress, progress_enabled
+from placement.core.progress import ENV_VAR, progress, progress_enabled
 from tests.conftest import INSTANCES
 
 

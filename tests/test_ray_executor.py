@@ -18,8 +18,8 @@ import pytest
 
 from placement.api import load_instance, result_document, solve
 from placement.formats import dumps
-from placement.model import InvalidInputError, SolverError
-from placement.ray_executor import RAY_MISSING, RayExecutor
+from placement.core.model import InvalidInputError, SolverError
+from placement.core.ray_executor import RAY_MISSING, RayExecutor
 from tests.conftest import INSTANCES
 
 T = TypeVar("T")
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:Runtime
 
 @runtime_checkable
 class ExecutorProtocol(Protocol):
-    """The executor protocol as ``placement.executor`` states it (checked here on its own)."""
+    """The executor protocol as ``placement.core.executor`` states it (checked here on its own)."""
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]: ...
 
@@ -135,7 +135,7 @@ def test_ray_missing_is_a_one_line_invalid_input(monkeypatch):
 def test_plan_is_the_same_document_with_ray_and_local_executors(ray, executor, tmp_path):
     """Issue 15 item 4: a plan does not depend on which executor runs its solves (the tiny job and
     cluster, a few candidates; ``make_executor("ray")`` joins the module's Ray instance)."""
-    from placement.executor import make_executor
+    from placement.core.executor import make_executor
     from placement.plan import CandidateSpace, plan, plan_document, read_cluster, read_job
     from tests.test_plan import _cluster_doc, _job_doc, _write
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.checker import check
+from placement.core.checker import check
 from placement.formats import read_instance
 from placement import stats
 from solvers.default import default_placement
@@ -41,7 +41,7 @@ def _brute_force_route(scores: np.ndarray, top_k: int, G: int, gpt: int) -> set[
 )
 def test_group_limited_topk_matches_brute_force(seed, G, n, gpt, k):
     torch = pytest.importorskip("torch")
-    from placement.realroute.moe import group_limited_topk
+    from placement.sources.realroute.moe import group_limited_topk
 
     gpt = min(gpt, G)
     k = min(k, gpt * n)
@@ -53,7 +53,7 @@ def test_group_limited_topk_matches_brute_force(seed, G, n, gpt, k):
 
 
 def _tiny_cfg():
-    from placement.realroute.moe import MoEConfig
+    from placement.sources.realroute.moe import MoEConfig
 
     return MoEConfig(
         d_model=16, num_heads=2, num_layers=3, first_moe_layer=1, dense_hidden=16, num_experts=8, expert_hidden=8,
@@ -63,7 +63,7 @@ def _tiny_cfg():
 
 def test_bias_moves_selection_not_gate_weights():
     torch = pytest.importorskip("torch")
-    from placement.realroute.moe import Router
+    from placement.sources.realroute.moe import Router
 
     torch.manual_seed(0)
     cfg = _tiny_cfg()
@@ -89,7 +89,7 @@ def test_bias_moves_selection_not_gate_weights():
 
 def test_bias_update_moves_toward_the_mean_load():
     torch = pytest.importorskip("torch")
-    from placement.realroute.moe import MoELayer
+    from placement.sources.realroute.moe import MoELayer
 
     cfg = _tiny_cfg()
     layer = MoELayer(cfg)
@@ -106,7 +106,7 @@ def test_moe_layer_matches_a_per_token_loop():
     torch = pytest.importorskip("torch")
     from torch.nn import functional as F
 
-    from placement.realroute.moe import MoELayer
+    from placement.sources.realroute.moe import MoELayer
 
     torch.manual_seed(1)
     cfg = _tiny_cfg()
@@ -126,9 +126,9 @@ def test_moe_layer_matches_a_per_token_loop():
 
 # ------------------------------------------------------------------ the recorder (torch)
 def _small_corpus():
-    from placement.realroute.corpus import Corpus
+    from placement.sources.realroute.corpus import Corpus
 
-    texts = [(ROOT / "README.md").read_bytes(), (ROOT / "placement" / "cost.py").read_bytes()]
+    texts = [(ROOT / "README.md").read_bytes(), (ROOT / "placement" / "predict" / "cost.py").read_bytes()]
     arrs = tuple(np.frombuffer(t, dtype=np.uint8).copy() for t in texts)
     return Corpus(("prose", "python"), arrs, tuple(hashlib.sha256(t).hexdigest() for t in texts))
 
@@ -136,8 +136,8 @@ def _small_corpus():
 def test_recorder_writes_an_instance_the_reader_and_checker_accept(tmp_path):
     pytest.importorskip("torch")
     from placement.formats import write_instance
-    from placement.realroute.build import LayoutSpec, _instance
-    from placement.realroute.record import TrainConfig, WindowSpec, draw_window, record_window, train
+    from placement.sources.realroute.build import LayoutSpec, _instance
+    from placement.sources.realroute.record import TrainConfig, WindowSpec, draw_window, record_window, train
     cfg = _tiny_cfg()
     corpus = _small_corpus()
     ckpts = train(corpus, cfg, TrainConfig(steps=4, batch_sequences=2, seed=3, checkpoint_fractions=(0.5, 1.0)), log=lambda m: None)
@@ -169,7 +169,7 @@ def test_committed_real_instances_load(name):
     m = inst.model
     assert (m.num_experts, m.top_k, m.num_groups, m.groups_per_token, m.num_moe_layers) == (64, 8, 8, 4, 5)
     gen = inst.extra["generator"]
-    assert gen["function"] == "placement.realroute"
+    assert gen["function"] == "placement.sources.realroute"
     assert inst.routing.topk.shape[1] == inst.parallel.dp == 64
     # Real routing: far more even than the raw router, but not flat, and sources differ.
     assert np.median(stats.load_max_mean(inst.routing.topk, 64)) > 1.0
@@ -203,8 +203,8 @@ def test_the_trained_model_params_bring_the_generator_closer_to_the_real_routing
     """``TRAINED_MODEL_PARAMS`` against the defaults, each as a generator twin of ``real_ep64``
     (same shape and sample size): every statistic of the calibration table is nearer the real
     model's (its 10 % checkpoint for drift), and the defaults still give the documented values."""
-    from placement.generator import TRAINED_MODEL_PARAMS
-    from placement.realroute.cli import _twin
+    from placement.sources.generator import TRAINED_MODEL_PARAMS
+    from placement.sources.realroute.cli import _twin
 
     final, early = read_instance(INSTANCES / "real_ep64.json"), read_instance(INSTANCES / "real_ep64_c10.json")
     E = final.model.num_experts

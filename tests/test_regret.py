@@ -1,4 +1,4 @@
-"""The step-time model's uncertainty: the low/mid/high band and the max-min-regret choice (placement.cost)."""
+"""The step-time model's uncertainty: the low/mid/high band and the max-min-regret choice (placement.predict.cost)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.cost import band_report, evaluate, max_min_regret, report, setting_step_models
-from placement.performance import SETTINGS, StepTimeModel, performance_settings
+from placement.predict.cost import evaluate
+from placement.predict.report import band_report, max_min_regret, report, setting_step_models
+from placement.predict.performance import SETTINGS, StepTimeModel, performance_settings
 from solvers.default import default_placement
 
 times = st.lists(st.fixed_dictionaries({s: st.floats(0.1, 10.0) for s in ("low", "mid", "high")}), min_size=1,
@@ -122,7 +123,7 @@ def test_when_the_windows_disagree_the_rank_layout_is_chosen_on_contiguous_exper
     the routing does); the map on it by the sampled window."""
     import dataclasses
 
-    from placement.model import Placement, Routing
+    from placement.core.model import Placement, Routing
     from solvers.base import SolveOptions
     from solvers.cpsat import step_time_check
     from solvers.experts.windows import SINGLE_WINDOW_GAIN_KEPT, gain_kept
@@ -163,7 +164,7 @@ def test_when_the_windows_disagree_the_rank_layout_is_chosen_on_contiguous_exper
 def test_when_the_windows_agree_the_choice_is_the_sampled_max_min_regret_one(tiny):
     import dataclasses
 
-    from placement.model import Placement, Routing
+    from placement.core.model import Placement, Routing
     from solvers.base import SolveOptions
     from solvers.cpsat import step_time_check
 

@@ -1,8 +1,8 @@
-"""placement.controller.ReplicaController in one process: replicas follow the recent routing.
+"""placement.plan.controller.ReplicaController in one process: replicas follow the recent routing.
 
 The routing hooks' counters (``InstalledReplicas._seen``) are filled by hand, as Megatron-Core's
 ``MoELayer.route`` wrapper fills them in a job, and ``replan`` is replaced by the live map's
-``update`` (the state transfer, :func:`placement.migrate.migrate`, runs in the multi-process job
+``update`` (the state transfer, :func:`placement.consumers.migrate.migrate`, runs in the multi-process job
 of tests/stacks/test_replicas_stacks.py, where this controller re-plans EP2 x expert-DP2 live).
 """
 
@@ -13,10 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from placement.controller import ReplicaController  # noqa: E402
-from placement.migrate import MigrationReport  # noqa: E402
-from placement.model import InvalidInputError  # noqa: E402
-from placement.replica_runtime import InstalledReplicas, _slot_table, replica_plan  # noqa: E402
+from placement.plan.controller import ReplicaController  # noqa: E402
+from placement.consumers.migrate import MigrationReport  # noqa: E402
+from placement.core.model import InvalidInputError  # noqa: E402
+from placement.consumers.replica_runtime import InstalledReplicas, _slot_table, replica_plan  # noqa: E402
 
 E, EP = 8, 4
 # 3 slots per EP rank: 2 experts of the permutation, then one redundant slot
@@ -130,7 +130,7 @@ def test_bad_settings_are_refused_naming_the_field(kwargs):
 
 
 def test_the_route_hook_counts_logical_tokens_and_splits_them_by_arrival():
-    from placement.replica_runtime import _wrap_route
+    from placement.consumers.replica_runtime import _wrap_route
 
     class _Layer:
         def route(self, _x):

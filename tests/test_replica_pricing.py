@@ -1,5 +1,5 @@
-"""Pricing of redundant expert slots (placement.replica_cost through placement.cost.evaluate) and the
-replica search (placement.replica_search): brute-force references, properties, refusals."""
+"""Pricing of redundant expert slots (placement.predict.replica_cost through placement.predict.cost.evaluate) and the
+replica search (solvers.replica_search): brute-force references, properties, refusals."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from placement.cost import LayoutIndex, evaluate, report, sampled_token_weight
-from placement.model import InvalidInputError, Placement
-from placement.replica_cost import physical_topk, replica_grad_time_s_per_stage, replica_memory_bytes_per_gpu
-from placement.replica_search import load_lower_bound, local_search, priced_step_s, search_layer, search_replicas
-from placement.replicas import (
+from placement.predict.cost import LayoutIndex, evaluate, sampled_token_weight
+from placement.predict.report import report
+from placement.core.model import InvalidInputError, Placement
+from placement.predict.replica_cost import physical_topk, replica_grad_time_s_per_stage, replica_memory_bytes_per_gpu
+from solvers.replica_search import load_lower_bound, local_search, priced_step_s, search_layer, search_replicas
+from placement.core.replicas import (
     GRAD_BYTES_PER_PARAM,
     ReplicaMap,
     expert_loads,
@@ -188,7 +189,7 @@ def test_replicas_of_experts_no_token_uses_change_no_byte(seed, mode):
 # Gradient sum and memory, by hand
 # ---------------------------------------------------------------------------------------------
 def test_gradient_sum_and_memory_counted_by_hand(tiny):
-    from placement.movecount import expert_params
+    from placement.core.movecount import expert_params
 
     p = Placement(np.arange(tiny.parallel.world_size), np.tile(np.arange(16), (tiny.model.num_moe_layers, 1)))
     ep, e = tiny.parallel.ep, tiny.model.num_experts
@@ -219,7 +220,7 @@ def test_gradient_sum_and_memory_counted_by_hand(tiny):
     m = evaluate(tiny, p, replicas=rmap)
     assert m.replica_grad_time_s_per_stage == got
     # the step model adds the gradient sum exposed: a faster sum never predicts a slower step
-    from placement.performance import StepTimeModel
+    from placement.predict.performance import StepTimeModel
 
     sm = StepTimeModel(tiny)
     slow = sm.predict_metrics(m, p.rank2gpu).step_time_s
@@ -233,8 +234,8 @@ def test_gradient_sum_and_memory_counted_by_hand(tiny):
 def test_gradient_sum_of_an_expert_on_every_rank_is_priced_as_the_runtime_exchanges_it(tiny):
     """Expert 0 held by all ``ep`` ranks: each holder sends its partial sum to the ``ep - 1`` others
     (``InstalledReplicas.reduce_grads``), not the ring's ``2 (ep - 1) / ep``."""
-    from placement.movecount import expert_params
-    from placement.replica_cost import replica_grad_bytes_per_step
+    from placement.core.movecount import expert_params
+    from placement.predict.replica_cost import replica_grad_bytes_per_step
 
     p = Placement(np.arange(tiny.parallel.world_size), np.tile(np.arange(16), (tiny.model.num_moe_layers, 1)))
     ep = tiny.parallel.ep
@@ -343,7 +344,7 @@ def test_search_is_never_worse_on_tiny_and_deterministic(tiny):
 # Refusals: one line naming the field
 # ---------------------------------------------------------------------------------------------
 def test_bad_replica_maps_are_refused(tiny):
-    from placement.formats_replicas import replicas_block
+    from solvers.replica_block import replicas_block
 
     p = Placement(np.arange(tiny.parallel.world_size), np.tile(np.arange(16), (tiny.model.num_moe_layers, 1)))
     wrong_ep = ReplicaMap(np.tile(np.arange(24) % 16, (tiny.model.num_moe_layers, 1)), 16, 4)
@@ -367,7 +368,7 @@ def test_bad_replica_maps_are_refused(tiny):
 def test_replicas_inside_their_home_node_change_no_cross_rack_byte(tiny, n):
     # the in-node candidate: a token reaches no node it did not reach before, so every NIC figure is
     # the permutation's while the GPU loads move
-    from placement.replica_search import in_node_start
+    from solvers.replica_search import in_node_start
     from solvers.default import default_placement
 
     p = default_placement(tiny)

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from placement import export as ex
 from placement.cli import main
 from placement.formats import placement_document, read_placement, write_placement
-from placement.formats_replicas import replica_violations, replicas_block
-from placement.model import InvalidInputError, Placement
-from placement.replicas import (
+from placement.formats.replicas import replica_violations
+from solvers.replica_block import replicas_block
+from placement.core.model import InvalidInputError, Placement
+from placement.core.replicas import (
     ReplicaMap,
     check_redundant_experts,
     eplb_replicate,
@@ -29,8 +30,8 @@ from placement.replicas import (
     rank_loads,
     replicate_counts,
 )
-from placement.show import replica_label
-from placement.verify import verify_document
+from placement.app.show import replica_label
+from placement.app.verify import verify_document
 from solvers.default import default_placement
 from tests.conftest import INSTANCES
 from tests.test_export import sglang_instance, write_pair
@@ -336,7 +337,7 @@ def test_replica_map_update_checks_every_map_before_writing_and_replan_needs_a_m
     with pytest.raises(InvalidInputError, match="8 slots, the model 6"):
         installed.update({0: [0, 1, 2, 3, 0, 1, 2, 3]})
     assert installed.phy2log(0).tolist() == [0, 1, 3, 2, 3, 0]
-    # the permutation slots may move too (placement.migrate moves their state)
+    # the permutation slots may move too (placement.consumers.migrate moves their state)
     assert installed.update({0: [1, 0, 3, 2, 1, 0], 1: [0, 1, 3, 2, 3, 0]}) == [0]
     cnt, table_t = installed._route[0]
     # (N + 1, E) slots of each expert, padded with its first: 0 in slots 1, 5; 1 in 0, 4; 2 in 3; 3 in 2

@@ -18,13 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.calibration import read_ladder
+from placement.predict.calibration import read_ladder
 from placement.cli import main
-from placement.model import InvalidInputError
-from placement.perfdata import Architecture
-from placement.runlogs import rows_from_logs
-from placement.runlogs.common import SHAPE_FIELDS, Interval, clean_line, dedupe, steady_state
-from placement.runlogs.megatron import MCORE_DEFAULTS, MLA_DEFAULTS, _intervals
+from placement.core.model import InvalidInputError
+from placement.core.perfdata import Architecture
+from placement.sources.runlogs import rows_from_logs
+from placement.sources.runlogs.common import SHAPE_FIELDS, Interval, clean_line, dedupe, steady_state
+from placement.sources.runlogs.megatron import MCORE_DEFAULTS, MLA_DEFAULTS, _intervals
 
 DATA = Path(__file__).resolve().parent / "data" / "runlogs"
 DSV3 = DATA / "megatron_lm_dsv3.log"
@@ -288,8 +288,8 @@ def test_the_same_log_twice_in_one_file_gives_the_same_row(tmp_path):
 
 
 def test_a_row_with_a_shape_predicts_as_the_same_row_with_its_named_model(tmp_path):
-    from placement.calibration import calibrate, default_ladder_path
-    from placement.runlogs.common import KNOWN_FAMILIES
+    from placement.predict.calibration import calibrate, default_ladder_path
+    from placement.sources.runlogs.common import KNOWN_FAMILIES
 
     doc = json.loads(default_ladder_path().read_text())
     named = next(r for r in doc["rows"] if r["name"] == "gb200_mxfp8_2608")
@@ -304,7 +304,7 @@ def test_a_row_with_a_shape_predicts_as_the_same_row_with_its_named_model(tmp_pa
 
 @pytest.mark.parametrize("field", ["shape", "family"])
 def test_a_ladder_row_needs_its_family_and_shape(tmp_path, field):
-    from placement.calibration import default_ladder_path
+    from placement.predict.calibration import default_ladder_path
 
     doc = json.loads(default_ladder_path().read_text())
     row = {k: v for k, v in doc["rows"][0].items() if k != field}

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import solvers.experts.pool as pool_module
-from placement.cost import evaluate
-from placement.model import Placement
+from placement.predict.cost import evaluate
+from placement.core.model import Placement
 from solvers.base import SolveOptions
 from solvers.default import default_rank2gpu
 from solvers.experts import LayerBudget, build_layer_problem, net_crossings, place_experts

@@ -2,7 +2,7 @@
 
 Expectations are computed here from the instance and the placement with plain loops (the rank
 order decoded from the order string, EP groups as chunks of a stage's ranks), never through
-:mod:`placement.show`; the counts are read back from the figure's legend and artists, and from
+:mod:`placement.app.show`; the counts are read back from the figure's legend and artists, and from
 the SVG file itself.
 """
 
@@ -28,10 +28,10 @@ from matplotlib.collections import PatchCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
 from placement.cli import main  # noqa: E402
-from placement.cost import evaluate  # noqa: E402
+from placement.predict.cost import evaluate  # noqa: E402
 from placement.formats import placement_document, read_instance, write_placement  # noqa: E402
-from placement.model import Instance, InvalidInputError, Placement  # noqa: E402
-from placement.show import draw_placement, rack_map_figure  # noqa: E402
+from placement.core.model import Instance, InvalidInputError, Placement  # noqa: E402
+from placement.app.show import draw_placement, rack_map_figure  # noqa: E402
 from solvers.default import default_placement  # noqa: E402
 from tests.conftest import INSTANCES, random_instance  # noqa: E402
 

@@ -28,9 +28,9 @@ import pytest
 
 import placement
 from placement.cli import main
-from placement.discovery import expand_hostlist
-from placement.hostfile import slurm_hostfile
-from placement.plan.job import read_cluster
+from placement.sources.discovery import expand_hostlist
+from placement.consumers.hostfile import slurm_hostfile
+from placement.formats.job import read_cluster
 from tests.conftest import INSTANCES
 
 SLURMCTLD = shutil.which("slurmctld") or ("/usr/sbin/slurmctld" if os.path.exists("/usr/sbin/slurmctld") else None)
@@ -201,7 +201,7 @@ def test_slurm_cluster_solves_to_the_hand_written_placement_but_for_host_names(s
     """
     doc = _read(slurm, tmp_path, monkeypatch, "--allow-not-responding")
     capsys.readouterr()
-    from placement.plan.job import cluster_spec_from_document
+    from placement.formats.job import cluster_spec_from_document
 
     hand = placement.load_instance(INSTANCES / "dsv3_1024.json")
     from_slurm = dataclasses.replace(hand, cluster=cluster_spec_from_document(doc, tmp_path / "c.json").cluster)

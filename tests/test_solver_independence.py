@@ -1,6 +1,6 @@
 """The solvers are independent of the verifier and of the file readers: nothing a module under
-solvers/ imports, directly or through any chain of our own modules, is placement.checker,
-placement.verify, placement.formats (the file readers), placement.api or placement.cli.
+solvers/ imports, directly or through any chain of our own modules, is placement.core.checker,
+placement.app.verify, placement.formats (the file readers), placement.api or placement.cli.
 
 Imports are read from the source with ast, so lazy imports inside functions count too, and they
 are followed transitively through every module of ``placement`` and ``solvers``.  One node is not
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = ("placement.checker", "placement.verify", "placement.formats", "placement.api", "placement.cli")
+FORBIDDEN = ("placement.core.checker", "placement.app.verify", "placement.formats", "placement.api", "placement.cli")
 OURS = ("placement", "solvers")
 FACADE = "placement"
 
@@ -39,7 +39,7 @@ def _module_name(path: Path, root: Path = ROOT) -> str:
 
 def _imports(path: Path, root: Path = ROOT) -> list[str]:
     """Every module ``path`` imports, absolute names (``from placement import checker`` counts as
-    ``placement.checker``; relative imports are resolved against the module's package)."""
+    ``placement.core.checker``; relative imports are resolved against the module's package)."""
     module = _module_name(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
@@ -89,8 +89,8 @@ SOLVER_MODULES = sorted(_module_name(p) for p in (ROOT / "solvers").rglob("*.py"
 
 def test_the_reader_sees_every_form_of_import(tmp_path):
     p = tmp_path / "m.py"
-    p.write_text("import placement.checker\nfrom placement import verify\n"
-                 "def f():\n    from placement.checker import check\n")
+    p.write_text("import placement.core.checker\nfrom placement import verify\n"
+                 "def f():\n    from placement.core.checker import check\n")
     assert sum(_offends(n) for n in _imports(p, tmp_path)) >= 3
 
 
@@ -102,13 +102,13 @@ def test_the_closure_follows_lazy_and_relative_imports_through_several_modules(t
     (pkg / "a.py").write_text("from . import b\n")
     (pkg / "b.py").write_text("def f():\n    from placement.c import x\n")
     (tmp_path / "placement").mkdir()
-    (tmp_path / "placement" / "__init__.py").write_text("import placement.checker\n")
+    (tmp_path / "placement" / "__init__.py").write_text("import placement.core.checker\n")
     (tmp_path / "placement" / "c.py").write_text("import os\nfrom placement.formats import read\nx = 1\n")
     (tmp_path / "placement" / "formats.py").write_text("")
     (tmp_path / "placement" / "checker.py").write_text("")
     reached = _closure("solvers.a", tmp_path)
     assert _chain(reached, "placement.formats") == "placement.formats <- placement.c <- solvers.b <- solvers.a"
-    assert "placement.checker" not in reached  # only through the facade, which is not followed
+    assert "placement.core.checker" not in reached  # only through the facade, which is not followed
 
 
 @pytest.mark.parametrize("module", SOLVER_MODULES)

@@ -2,8 +2,8 @@
 step time, the solver never returns a placement predicting a slower step than the default one,
 and an instance without a ``performance`` block falls back to ``total`` and says so.
 
-Predicted step times are recomputed here independently, from :func:`placement.cost.evaluate` and
-:class:`placement.performance.StepTimeModel`.
+Predicted step times are recomputed here independently, from :func:`placement.predict.cost.evaluate` and
+:class:`placement.predict.performance.StepTimeModel`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import json
 import numpy as np
 import pytest
 
-from placement.cost import evaluate
-from placement.model import Instance, Placement
-from placement.performance import StepTimeModel
+from placement.predict.cost import evaluate
+from placement.core.model import Instance, Placement
+from placement.predict.performance import StepTimeModel
 from solvers.base import OBJECTIVES, SolveOptions
 from solvers.default import default_rank2gpu
 from tests.conftest import INSTANCES, random_instance
@@ -39,7 +39,7 @@ def _default_step_s(inst: Instance) -> float:
 
 
 def _with_performance(inst: Instance, tiny: Instance) -> Instance:
-    # tiny's block says hybridep, which dispatches in BF16 (placement.model.Instance refuses FP8 bytes there)
+    # tiny's block says hybridep, which dispatches in BF16 (placement.core.model.Instance refuses FP8 bytes there)
     model = dataclasses.replace(inst.model, dispatch_bytes_per_token=2 * inst.model.hidden_size)
     return dataclasses.replace(inst, model=model, performance=tiny.performance)
 
@@ -97,9 +97,9 @@ def test_solve_never_predicts_slower_than_default(tiny):
     assert solved_s <= _default_step_s(tiny) + TOL
     if "layout_map_predicted_step_time_s" in check:
         assert solved_s <= check["layout_map_predicted_step_time_s"] + TOL
-    # The metrics are those of the pipeline split the solve chose (placement.pipeline_split), never
+    # The metrics are those of the pipeline split the solve chose (placement.predict.pipeline_split), never
     # slower than the instance's split on the same placement.
-    from placement.pipeline_layout import parse_layout, with_layout
+    from placement.core.pipeline_layout import parse_layout, with_layout
 
     split = with_layout(tiny, parse_layout(r.details["pipeline_layout"]["chosen"]))
     assert r.metrics["predicted_step_time_s"] == pytest.approx(_step_s(split, r.placement), rel=1e-12)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from placement.cli import main
-from placement.cost import report
+from placement.predict.report import report
 from placement.formats import placement_document, read_instance, write_instance, write_placement
-from placement.model import Placement
-from placement.verify import metric_misstatements, verify_document
+from placement.core.model import Placement
+from placement.app.verify import metric_misstatements, verify_document
 from solvers.default import default_placement
 from tests.conftest import INSTANCES, random_instance
 

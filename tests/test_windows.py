@@ -1,6 +1,6 @@
 """Several time-ordered sampled windows: the representation, the formats, the fit objectives and the guard.
 
-References: the evaluator (placement.cost.evaluate) on each window cut out as its own instance, and
+References: the evaluator (placement.predict.cost.evaluate) on each window cut out as its own instance, and
 brute force over every expert map of small layers.
 """
 
@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement
-from placement.checker import check
+from placement.core.checker import check
 from placement.cli import main
-from placement.cost import evaluate
+from placement.predict.cost import evaluate
 from placement.formats import read_instance, write_instance
-from placement.model import InvalidInputError, Placement, Routing
+from placement.core.model import InvalidInputError, Placement, Routing
 from solvers.base import SolveOptions
 from solvers.default import default_rank2gpu
 from solvers.experts import build_layer_problem, net_crossings, place_experts
@@ -106,7 +106,7 @@ def test_bad_window_tokens_exit_2_naming_the_field(tmp_path, tiny, capsys, value
 
 
 def test_committed_real_robust_is_assembled_from_the_committed_series(tmp_path):
-    from placement.realroute.build import assemble_robust
+    from placement.sources.realroute.build import assemble_robust
 
     committed = read_instance(INSTANCES / "real_robust.json")
     c10, c50, final = (read_instance(INSTANCES / f"{n}.json") for n in ("real_ep64_c10", "real_ep64_c50", "real_ep64"))
@@ -315,7 +315,7 @@ def test_fit_is_checked():
 
 # ---- the importers ------------------------------------------------------------------------------
 def test_import_cuts_the_fit_steps_into_time_ordered_windows(tmp_path, capsys):
-    from placement.importers import import_instance
+    from placement.sources.importers import import_instance
     from tests.test_importers import _expected, _routing, _sections, _write_megatron
 
     ids = _routing(np.random.default_rng(7), steps=7, micro=1, tokens=4)

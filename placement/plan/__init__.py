@@ -1,6 +1,6 @@
 """``placement plan``: pick the job's parallel layout and placement for the GPUs that are free.
 
-One module per concern: :mod:`~placement.plan.job` (job and cluster files, their checks),
+One module per concern: :mod:`~placement.formats.job` (job and cluster files, their checks),
 :mod:`~placement.plan.memory` (memory per GPU), :mod:`~placement.plan.candidates` (enumeration
 and its rules), :mod:`~placement.plan.bounds` (compute-bound upper bounds), :mod:`~placement.plan.evaluate`
 (placing and scoring one candidate, in a worker), :mod:`~placement.plan.planner` (the schedule:
@@ -17,7 +17,7 @@ bound, prune, solve best-bound first) and :mod:`~placement.plan.report` (JSON, t
 """
 
 from placement.plan.candidates import DEFAULT_SPACE, Candidate, CandidateSpace, parse_candidates
-from placement.plan.job import ClusterSpec, Job, RoutingSource, Training, read_cluster, read_job
+from placement.formats.job import ClusterSpec, Job, RoutingSource, Training, read_cluster, read_job
 from placement.plan.memory import MemoryEstimate
 from placement.plan.planner import DEFAULT_PLAN_TIME_LIMIT_S, PlanResult, PlanRow, plan
 from placement.plan.report import plan_document, plan_table, write_plan

@@ -1,6 +1,6 @@
 """Cheap upper bounds on a candidate's throughput, for pruning before any solve.
 
-A candidate's predicted step (:meth:`placement.performance.StepTimeModel.predict`) is at least its
+A candidate's predicted step (:meth:`placement.predict.performance.StepTimeModel.predict`) is at least its
 *compute-bound* step: the same pipeline with no all-to-all time, no data-parallel traffic and every
 expert GPU at the mean load (``load_l >= 1`` only adds compute; communication only adds time):
 ``(m + (pp - 1) / vpp) * max_s sum_l c_l`` with ``c_l`` at load 1.  So
@@ -28,7 +28,7 @@ import numpy as np
 from placement.plan.skeleton import stage_model
 
 if TYPE_CHECKING:  # pragma: no cover
-    from placement.plan.job import Job
+    from placement.formats.job import Job
     from placement.plan.candidates import Candidate
 
 

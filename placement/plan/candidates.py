@@ -26,11 +26,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from placement.model import InvalidInputError
-from placement.performance import layer_flops_per_token
+from placement.core.model import InvalidInputError
+from placement.predict.performance import layer_flops_per_token
 
 if TYPE_CHECKING:  # pragma: no cover
-    from placement.plan.job import Job
+    from placement.formats.job import Job
 
 
 __all__ = [

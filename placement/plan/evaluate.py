@@ -17,8 +17,8 @@ Methods, per candidate:
 - ``segment+cpsat``: the segment layout with the expert maps ``cpsat`` finds for it (``solve``
   with ``layout="fixed"`` on the cluster restricted to the segment's GPUs).
 
-Every variant is scored by the one evaluator (:func:`placement.cost.report`, which adds
-:mod:`placement.performance`'s predictions).
+Every variant is scored by the one evaluator (:func:`placement.predict.report.report`, which adds
+:mod:`placement.predict.performance`'s predictions).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from placement.model import Cluster, Instance, Placement, Routing
+from placement.core.model import Cluster, Instance, Placement, Routing
 
 __all__ = ["Task", "Variant", "TaskResult", "regroup", "build_instance", "segment_rank2gpu", "run_task", "summary"]
 
@@ -55,7 +55,7 @@ def regroup(topk: np.ndarray, dp: int) -> np.ndarray:
 class Task:
     """One unit of work for the executor."""
 
-    job: Any  # placement.plan.job.Job
+    job: Any  # placement.formats.job.Job
     cluster: Cluster
     candidate: Any  # placement.plan.candidates.Candidate
     method: Method
@@ -160,7 +160,7 @@ def _identity(instance: Instance, rank2gpu: np.ndarray) -> Placement:
 def run_task(task: Task) -> TaskResult:
     """Place and score one candidate with one method (see the module docstring)."""
     from placement.api import solve
-    from placement.cost import report
+    from placement.predict.report import report
     from solvers.default import default_rank2gpu
 
     inst = build_instance(task.job, task.cluster, task.candidate, task.fit_topk, task.heldout_topk, task.provenance)

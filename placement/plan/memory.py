@@ -2,7 +2,7 @@
 
 The formula (``docs/plan.md`` states it with its sources), per GPU of pipeline stage ``s``:
 
-- parameters ``P_s = P_dense_s / tp + P_expert_s`` as :class:`placement.performance.StepTimeModel`
+- parameters ``P_s = P_dense_s / tp + P_expert_s`` as :class:`placement.predict.performance.StepTimeModel`
   counts them (the stage's layers; the embedding on the first stage; the output layer and the MTP
   layers on the last; ``E / ep`` experts of each MoE layer);
 - weights ``param_bytes * P_s`` and main gradients ``grad_bytes * P_s`` (BF16 weights, FP32
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING
 
 from dataclasses import dataclass
 
-from placement.performance import StepTimeModel
+from placement.predict.performance import StepTimeModel
 
 if TYPE_CHECKING:  # pragma: no cover
-    from placement.plan.job import Job
+    from placement.formats.job import Job
 
 
 __all__ = ["MemoryEstimate", "memory_estimate", "activation_bytes_per_token"]
@@ -93,7 +93,7 @@ def memory_estimate(job: Job, model: StepTimeModel, *, tp: int, cp: int, ep: int
 
     Parameters
     ----------
-    job : the :class:`~placement.plan.job.Job`.
+    job : the :class:`~placement.formats.job.Job`.
     model : the candidate's step-time model (:func:`placement.plan.skeleton.stage_model`): its
         per-stage parameter counts, shapes ``(pp,)``.
     """

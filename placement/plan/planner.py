@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from placement.api import STARTUP_RESERVE_S
-from placement.model import InfeasibleError, InvalidInputError
+from placement.core.model import InfeasibleError, InvalidInputError
 from placement.plan.bounds import load_lower_bound, tokens_per_s_bound
 from placement.plan.candidates import DEFAULT_SPACE, Candidate, CandidateSpace, enumerate_candidates
 from placement.plan.evaluate import Task, TaskResult, Variant, build_instance, regroup
-from placement.plan.job import ClusterSpec, Job
+from placement.formats.job import ClusterSpec, Job
 
 if TYPE_CHECKING:  # pragma: no cover - the executor (multiprocessing) is imported when a plan runs
-    from placement.executor import Executor
+    from placement.core.executor import Executor
 
 __all__ = ["PlanRow", "PlanResult", "plan", "MAX_SOLVE_S", "PLANNED_SOLVES", "DEFAULT_PLAN_TIME_LIMIT_S"]
 
@@ -162,13 +162,13 @@ def base_routing(job: Job) -> tuple[np.ndarray, np.ndarray, dict]:
     """The job's base routing ``(fit, heldout, provenance)``, each (L, S, T, k)."""
     src = job.routing
     if src.kind == "generator":
-        from placement.generator import generate_routing
+        from placement.sources.generator import generate_routing
 
         try:
             windows = generate_routing(**src.params)
         except (TypeError, ValueError) as exc:  # the generator's own range checks
             raise InvalidInputError(f"{job.name}: routing.generator: {exc}") from None
-        prov = {"base": {"function": "placement.generator.generate_routing", **src.params,
+        prov = {"base": {"function": "placement.sources.generator.generate_routing", **src.params,
                          "fit_tokens_per_source": src.fit_tokens, "heldout_tokens_per_source": src.heldout_tokens}}
         return windows[0][:, :, : src.fit_tokens], windows[1][:, :, : src.heldout_tokens], prov
     from placement.formats import read_instance
@@ -234,7 +234,7 @@ def plan(
         :func:`~placement.plan.candidates.parse_candidates` reads ``"pp=8,16 ep=32,64"``).
     time_limit_s : the whole plan's wall budget, shared deterministically over the solves.
     seed : every solve's seed.
-    executor : where the solves run (default: a :class:`~placement.executor.LocalExecutor` over
+    executor : where the solves run (default: a :class:`~placement.core.executor.LocalExecutor` over
         the usable cores, closed at the end); the result does not depend on it.
     lanes : items per round (solved at once); part of the schedule, so of the result.
     prune : skip items whose bound is below the best so far (False: solve every item the budget
@@ -243,7 +243,7 @@ def plan(
     started_at : ``time.monotonic()`` instant the budget started (default: now).
     on_progress : called with ``(work items settled, work items)`` as rounds end (an item is settled
         when scored, solved, pruned or left to the budget; a
-        :data:`placement.progress.ProgressCallback`); it only observes, the plan does not depend on it.
+        :data:`placement.core.progress.ProgressCallback`); it only observes, the plan does not depend on it.
 
     Raises
     ------
@@ -302,7 +302,7 @@ def plan(
     phase1_cap = remaining * PHASE1_SHARE
     own = executor is None
     if executor is None:
-        from placement.executor import LocalExecutor
+        from placement.core.executor import LocalExecutor
 
         executor = LocalExecutor()
     ex: Executor = executor

@@ -98,7 +98,7 @@ def _solve_result(result: Any) -> Any:
     v = result.variant
     if v.result is not None:
         return v.result
-    from placement.cost import report
+    from placement.predict.report import report
 
     inst = result.instance
     metrics = report(inst, v.placement)
@@ -135,7 +135,7 @@ def write_plan(result: Any, path: str | os.PathLike[str], *, picture: bool = Tru
         except ImportError:
             pass
         else:
-            from placement.show import draw_placement
+            from placement.app.show import draw_placement
 
             written["picture"] = draw_placement(inst, res.placement, Path(f"{stem}.png"), window="heldout",
                                                 label=f"{result.recommendation.key} ({result.recommendation.variant})")

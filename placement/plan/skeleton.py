@@ -1,6 +1,6 @@
 """Instances without routing statistics: what the memory model and the bounds read.
 
-The step-time model (:class:`placement.performance.StepTimeModel`) counts FLOPs and parameters
+The step-time model (:class:`placement.predict.performance.StepTimeModel`) counts FLOPs and parameters
 per stage from an instance's model, layout and ``performance`` block only; a *skeleton* instance
 gives it those with a one-token placeholder routing, so that memory and bounds use the same
 counts as the predictions of the solved candidates.
@@ -15,11 +15,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from placement.model import Cluster, Instance, ParallelLayout, Routing
-from placement.performance import StepTimeModel
+from placement.core.model import Cluster, Instance, ParallelLayout, Routing
+from placement.predict.performance import StepTimeModel
 
 if TYPE_CHECKING:  # pragma: no cover
-    from placement.plan.job import Job
+    from placement.formats.job import Job
 
 
 __all__ = ["layout_of", "skeleton_instance", "stage_model"]
@@ -27,7 +27,7 @@ __all__ = ["layout_of", "skeleton_instance", "stage_model"]
 
 def layout_of(job: Job, tp: int, cp: int, ep: int, dp: int, pp: int, micro_batch: int,
               stage_layers: tuple[tuple[int, ...], ...], global_batch: int | None = None) -> ParallelLayout:
-    """The :class:`ParallelLayout` of a candidate of ``job`` (a :class:`~placement.plan.job.Job`)."""
+    """The :class:`ParallelLayout` of a candidate of ``job`` (a :class:`~placement.formats.job.Job`)."""
     return ParallelLayout(
         tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order=job.order,
         stage_layers=stage_layers, seq_len=job.seq_len,

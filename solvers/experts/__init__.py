@@ -10,7 +10,7 @@ their budgets (:mod:`.budget`) and the process pool: :mod:`.pool`.  Tunables: :m
 ``docs/experts.md`` is the newcomer's guide and holds the measurements behind the tunables.
 
 Units: inside this package costs are *crossings*, integers; bytes are crossings times
-:attr:`LayerProblem.bytes_per_crossing` (from :func:`placement.cost.fabric_bytes_per_crossing`), and
+:attr:`LayerProblem.bytes_per_crossing` (from :func:`placement.predict.cost.fabric_bytes_per_crossing`), and
 :func:`place_experts` checks every layer against the evaluator.
 
 Determinism: nothing reads the clock to decide anything except the safety nets.  CP-SAT runs single

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from placement.model import Instance
+from placement.core.model import Instance
 from solvers.experts.problem import LayerProblem, group2type_of
 from solvers.kernels import lpt_pack
 
@@ -167,7 +167,7 @@ def rebalanced_within_domains(instance: Instance, rank2gpu: np.ndarray, phy2log:
 
     Examples
     --------
-    >>> from placement.instances import SPECS, build
+    >>> from placement.sources.instances import SPECS, build
     >>> from solvers.default import default_rank2gpu
     >>> inst = build(SPECS["tiny"])
     >>> ident = np.tile(np.arange(inst.model.num_experts), (inst.model.num_moe_layers, 1))
@@ -175,7 +175,7 @@ def rebalanced_within_domains(instance: Instance, rank2gpu: np.ndarray, phy2log:
     >>> bool((np.sort(out, axis=1) == ident).all())
     True
     """
-    from placement.cost import LayoutIndex
+    from placement.predict.cost import LayoutIndex
     from solvers.experts.problem import build_layer_problem
 
     rank2gpu = np.asarray(rank2gpu, dtype=np.int64)

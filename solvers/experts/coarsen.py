@@ -273,7 +273,7 @@ def kahypar_start(problem: LayerProblem, nets: NetSet, cap: np.ndarray, cost: np
     """
     if problem.num_classes < 2 or nets.num_nets == 0 or not kahypar_available():
         return None
-    from solvers.kahypar import RUNTIME, repair_capacities  # lazy: solvers.kahypar imports this package
+    from solvers.kernels.hypergraph import RUNTIME, repair_capacities
     import mtkahypar
 
     E, C = problem.num_experts, problem.num_classes

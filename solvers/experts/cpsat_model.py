@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from placement.model import SolverError
+from placement.core.model import SolverError
 from solvers.base import SolveOptions, call_on_stop
 from solvers.experts.problem import LayerProblem, NetSet, group2type_of, linear_costs
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from placement.model import SolverError
+from placement.core.model import SolverError
 from solvers.base import SolveOptions
 from solvers.experts.bounds import per_pair_class_bound
 from solvers.experts.balance import balance_ranks, rank_load_floor, rank_load_ratio

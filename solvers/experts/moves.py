@@ -1,7 +1,7 @@
 """Move-aware re-placement: per-layer candidate maps between the previous map and the solved one,
 and their allocation over layers under a moved-bytes budget or a move-cost weight.
 
-The accounting (bytes per replica, moves counted by GPU) is :mod:`placement.movecount`; this module is
+The accounting (bytes per replica, moves counted by GPU) is :mod:`placement.core.movecount`; this module is
 the search side.
 
 Per layer (in the layer's worker, after :func:`solvers.experts.layer.solve_layer`):
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.model import Instance, Placement
+from placement.core.model import Instance, Placement
 from solvers.experts.balance import _improve_by_swaps, rank_load_ratio
 from solvers.experts.problem import LayerProblem, NetSet, group2type_of, net_crossings
 from solvers.experts.tuning import MAX_SWAPS
@@ -120,7 +120,7 @@ class MovePlan:
 def build_move_plan(instance: Instance, rank2gpu: np.ndarray, previous: Placement, *, bytes_per_replica: float,
                     max_moved_bytes: float | None, move_cost: float | None) -> MovePlan:
     """Per-layer move prices for a solve on ``rank2gpu`` re-placing ``previous`` (counted by GPU)."""
-    from placement.movecount import replica_gpus
+    from placement.core.movecount import replica_gpus
 
     par, cl = instance.parallel, instance.cluster
     dom = cl.gpu2domain
@@ -195,7 +195,7 @@ def _class_prices(problem: LayerProblem, lm: LayerMoves) -> np.ndarray:
 def keeps_group_types(problem: LayerProblem, expert2class: np.ndarray) -> bool:
     """Whether every expert group's class make-up is that of a group position (always True in free
     mode).  A free previous map (``apply`` runtime takes any map) may break it; on a layout whose
-    classes are small HybridEP nodes (:mod:`placement.dispatch`) a single swap of two experts of
+    classes are small HybridEP nodes (:mod:`placement.core.dispatch`) a single swap of two experts of
     different groups does."""
     if not problem.group_preserving:
         return True
@@ -478,11 +478,11 @@ def _hull(cands: list[MoveCandidate]) -> list[MoveCandidate]:
 class StepCurrency:
     """Predicted step time as the budget's currency (objective ``step_time`` with a performance block).
 
-    A candidate of layer ``l`` enters :meth:`placement.performance.StepTimeModel.predict` with its
+    A candidate of layer ``l`` enters :meth:`placement.predict.performance.StepTimeModel.predict` with its
     own expert load max/mean (exact, sampled tokens) and an all-to-all time of the previous map's
     (from the evaluator) scaled by its crossings over the previous map's.
 
-    model : the instance's :class:`placement.performance.StepTimeModel`.
+    model : the instance's :class:`placement.predict.performance.StepTimeModel`.
     alltoall_s : (L,) the previous placement's ``alltoall_time_s_per_layer`` (sampled).
     load : (L,) its ``expert_load_max_over_mean_per_layer`` (sampled).
     rank2gpu : (world,) the rank layout.
@@ -639,9 +639,9 @@ def allocate_moves(frontiers: dict[int, list[MoveCandidate]], plan: MovePlan,
 
 
 def build_plan_for(instance: Instance, rank2gpu: np.ndarray, request: object) -> MovePlan:
-    """:func:`build_move_plan` from a :class:`placement.model.MoveRequest` (move cost 0 when it gives neither rule)."""
-    from placement.model import MoveRequest
-    from placement.movecount import replica_state_bytes
+    """:func:`build_move_plan` from a :class:`placement.core.model.MoveRequest` (move cost 0 when it gives neither rule)."""
+    from placement.core.model import MoveRequest
+    from placement.core.movecount import replica_state_bytes
 
     assert isinstance(request, MoveRequest)
     bpr = replica_state_bytes(instance, params=request.expert_params, sharded_optimizer=request.sharded_optimizer)
@@ -660,9 +660,9 @@ def previous_check(instance: Instance, options: object, placement: Placement, pl
     else the predictions, ``returned`` (``solved`` or ``previous placement``) and, when the previous
     placement wins (ties included: it moves nothing), ``return_placement``.
     """
-    from placement.cost import evaluate
-    from placement.movecount import count_moves
-    from placement.performance import StepTimeModel
+    from placement.predict.cost import evaluate
+    from placement.core.movecount import count_moves
+    from placement.predict.performance import StepTimeModel
     from solvers.base import SolveOptions
 
     assert isinstance(options, SolveOptions) and options.moves is not None and plan is not None

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from placement.cost import LayoutIndex, evaluate
-from placement.model import InfeasibleError, Instance, InvalidInputError, MoEModel, Placement, SolverError
+from placement.predict.cost import LayoutIndex, evaluate
+from placement.core.model import InfeasibleError, Instance, InvalidInputError, MoEModel, Placement, SolverError
 from solvers.base import SolveOptions
 from solvers.experts.bounds import sum_bounds
 from solvers.experts.budget import LayerBudget, StopCheck, deterministic_budget, layer_work_s, search_net_limit
@@ -513,7 +513,7 @@ def _apply_moves(instance: Instance, rank2gpu: np.ndarray, outcomes: dict[int, L
     frontiers = {li: outcomes[li].move_frontier for li in todo if outcomes[li].move_frontier}
     step = None
     if moves.max_moved_replicas is not None and options.objective == "step_time" and instance.performance is not None:
-        from placement.performance import StepTimeModel
+        from placement.predict.performance import StepTimeModel
         from solvers.experts.moves import StepCurrency
 
         E = instance.model.num_experts

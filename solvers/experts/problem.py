@@ -12,16 +12,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 import numpy as np
 
-from placement.cost import LayoutIndex
-from placement.model import Instance, InvalidInputError, SolverError
+from placement.predict.cost import LayoutIndex
+from placement.core.model import Instance, InvalidInputError, SolverError
 from solvers.experts.tuning import VALIDATION_FRACTION
 from solvers.kernels import bytes_per_crossing, domain_classes, net_crossings_of
 
 __all__ = ["NetSet", "LayerProblem", "build_layer_problem", "net_crossings", "linear_costs", "net_pairs",
            "group2type_of", "is_structurally_valid", "unique_rows_inverse", "sample_nets"]
+
+
+#: How a layer with several routing windows is fitted (:mod:`solvers.experts.windows`).
+FITS: tuple[str, ...] = ("robust", "mean", "latest")
 
 
 @dataclass(frozen=True)
@@ -264,9 +269,9 @@ def build_layer_problem(
     layer : MoE layer index.
     group_preserving : restrict to group-preserving maps (requires ``num_groups > 1``).
     validation_fraction : share of each source's sampled tokens (the last ones) held back; 0 = none.
-    layout : a precomputed :class:`placement.cost.LayoutIndex` for ``rank2gpu``.
+    layout : a precomputed :class:`placement.predict.cost.LayoutIndex` for ``rank2gpu``.
     fit : how several sampled windows (``routing.window_tokens``) are used
-        (:func:`solvers.experts.windows.window_parts`); with one window every value gives today's
+        (:func:`window_parts`); with one window every value gives today's
         problem.
     """
     model = instance.model
@@ -275,7 +280,7 @@ def build_layer_problem(
     if layout is None or layout.src_rank.shape[2] != T:
         layout = LayoutIndex(instance, rank2gpu, T)
     s = int(instance.moe_layer2stage[layer])
-    # (G, ep) the dispatcher's node of each EP rank of each group (placement.dispatch): its domain
+    # (G, ep) the dispatcher's node of each EP rank of each group (placement.core.dispatch): its domain
     # under an equal-slice layout or ``per_pair``, a smaller node where HybridEP/DeepEP runs one
     group_dom = layout.group_node[s]
     domains = np.unique(group_dom)
@@ -301,8 +306,6 @@ def build_layer_problem(
     trivial = class_sig.shape[0] == 1
     extra: dict = {}
     if len(bounds_w) >= 2 and not trivial:
-        from solvers.experts.windows import window_parts
-
         nets_fit, nets_val, nets_all, extra = window_parts(topk, src_group, src_dom, bounds_w, fit,
                                                            validation_fraction)
         extra["num_windows"] = len(bounds_w)
@@ -350,6 +353,54 @@ def _split_nets(topk: np.ndarray, src_group: np.ndarray, src_dom: np.ndarray, va
     if n_val > 0:
         return nets(~is_val), nets(is_val), nets_all
     return nets_all, nets(np.zeros((dp, T), dtype=bool)), nets_all
+
+
+def window_parts(
+    topk: np.ndarray,
+    src_group: np.ndarray,
+    src_dom: np.ndarray,
+    bounds: Sequence[tuple[int, int]],
+    fit: str,
+    validation_fraction: float,
+) -> tuple[NetSet, NetSet, NetSet, dict]:
+    """``(nets_fit, nets_val, nets_all, extra LayerProblem fields)`` of a layer with >= 2 windows.
+
+    Parameters
+    ----------
+    topk : (dp, T, k) the layer's sampled expert ids, windows one after another along axis 1.
+    src_group, src_dom : (dp, T) EP group and local source domain of every token.
+    bounds : ``(start, stop)`` of each window along axis 1, oldest first (at least two).
+    fit : ``robust``, ``mean`` or ``latest``.
+    validation_fraction : 0 disables the guard (no validation part); otherwise, with ``robust`` and
+        ``mean`` the latest window validates, with ``latest`` its last ``validation_fraction``.
+    """
+    if fit not in FITS:
+        raise ValueError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
+    dp, T, _ = topk.shape
+    cols = np.arange(T)
+
+    def nets(mask_cols: np.ndarray) -> NetSet:
+        mask = np.broadcast_to(mask_cols[None, :], (dp, T))
+        return NetSet.aggregate(topk[mask], src_group[mask], src_dom[mask])
+
+    nets_all = nets(np.ones(T, dtype=bool))
+    if fit == "latest":
+        a, b = bounds[-1]
+        fit_l, val_l, all_l = _split_nets(topk[:, a:b], src_group[:, a:b], src_dom[:, a:b], validation_fraction,
+                                          trivial=False)
+        return fit_l, val_l, nets_all, {"nets_refit": all_l}
+    per_window = tuple(nets((cols >= a) & (cols < b)) for a, b in bounds)
+    extra: dict = {}
+    if validation_fraction > 0:
+        last = bounds[-1][0]
+        fit_nets, val_nets = nets(cols < last), per_window[-1]
+        n_fit = len(bounds) - 1
+    else:
+        fit_nets, val_nets = nets_all, nets(np.zeros(T, dtype=bool))
+        n_fit = len(bounds)
+    if fit == "robust":
+        extra = {"windows": per_window, "fit_windows": n_fit}
+    return fit_nets, val_nets, nets_all, extra
 
 
 def sample_nets(nets: NetSet, max_nets: int, seed: int) -> NetSet:

@@ -35,124 +35,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from solvers.experts.problem import LayerProblem, NetSet, _split_nets, net_crossings
+from solvers.kernels.drift import FREE_FIT_MIN_GAIN_KEPT, SINGLE_WINDOW_GAIN_KEPT, gain_kept  # noqa: F401  (re-exported)
+from solvers.experts.problem import FITS, LayerProblem, NetSet, net_crossings, window_parts  # noqa: F401  (re-exported)
 
 __all__ = ["FITS", "ROBUST_ROUNDS", "SINGLE_WINDOW_GAIN_KEPT", "FREE_FIT_MIN_GAIN_KEPT", "gain_kept", "window_parts", "merge_nets", "window_costs", "robust_value",
            "part_windows", "robust_search"]
 
-#: The fit objectives over several sampled windows (``SolveOptions.fit``).
-FITS: tuple[str, ...] = ("robust", "mean", "latest")
 #: Rounds of the robust search: round 0 (the token-weighted sum) gets half the budget, the others
 #: share the rest.
 ROBUST_ROUNDS = 3
 #: A window's weight is at most this multiple of the lightest one's.
 ROBUST_MAX_WEIGHT = 16
 
-#: The share of a fitted expert map's step-time gain (over contiguous experts on the same rank
-#: layout) taken to hold on the next window when the instance has ONE sampled window, so its drift
-#: cannot be measured: 1, the sample is trusted (several windows measure it, :func:`gain_kept`).
-#: A prior of 0 (fitting early and running late on a trained model's routing gives a slope of
-#: 0.007) was measured and rejected: docs/experts.md, "The final choice under drift".
-SINGLE_WINDOW_GAIN_KEPT = 1.0
-
-#: Under group-limited routing with ``apply`` ``runtime`` the expert search fits free maps only when
-#: several sampled windows show at least this share of a fitted gain carrying over
-#: (:func:`gain_kept`); otherwise, and always with one window, it fits group-preserving maps
-#: (:meth:`solvers.base.SolveOptions.fit_groups_whole`).  Between two windows of one trained model
-#: the share is 0.89 (``real_ep64``), between its 10 % and 50 % checkpoints 0.026 (``real_robust``).
-FREE_FIT_MIN_GAIN_KEPT = 0.5
-
-
-def gain_kept(topk: np.ndarray, bounds: Sequence[tuple[int, int]], num_experts: int) -> float:
-    """How much of a fitted gain the next window keeps, estimated from the sampled windows' own drift.
-
-    The least-squares slope, through the origin and clipped to [0, 1], of the latest window's expert
-    loads on the earlier windows' (each layer's loads over its mean, minus 1; every layer pooled): 1
-    when the latest window repeats the earlier loads, 0 when the earlier loads say nothing of it.
-    Under the linear model ``next = mean + slope * (fitted - mean)`` a map's balance (and so its
-    gain over a map blind to the loads) carries over in that proportion.  With one window (``bounds``
-    of length 1) it is :data:`SINGLE_WINDOW_GAIN_KEPT`.
-
-    Parameters
-    ----------
-    topk : (L, dp, T, k) sampled expert ids, windows one after another along axis 2.
-    bounds : ``(start, stop)`` of each window along axis 2, oldest first.
-    num_experts : E.
-
-    Examples
-    --------
-    >>> t = np.array([0, 0, 0, 1, 2, 3]).reshape(1, 1, 6, 1)
-    >>> gain_kept(np.concatenate([t, t], axis=2), [(0, 6), (6, 12)], 4)
-    1.0
-    >>> gain_kept(t, [(0, 6)], 4) == SINGLE_WINDOW_GAIN_KEPT
-    True
-    """
-    if len(bounds) < 2:
-        return SINGLE_WINDOW_GAIN_KEPT
-    last = bounds[-1][0]
-    num_layers = topk.shape[0]
-
-    def rel(a: np.ndarray) -> np.ndarray:
-        loads = np.stack([np.bincount(a[li].reshape(-1), minlength=num_experts) for li in range(num_layers)])
-        loads = loads.astype(np.float64)
-        return loads / np.maximum(loads.mean(axis=1, keepdims=True), 1e-300) - 1.0
-
-    x, y = rel(topk[:, :, :last]), rel(topk[:, :, last:])
-    xx = float((x * x).sum())
-    if xx <= 0.0:  # the earlier windows are flat: nothing was fitted to their loads
-        return 1.0
-    return float(min(1.0, max(0.0, float((x * y).sum()) / xx)))
-
-
 SearchFn = Callable[[NetSet, np.ndarray, float, str], tuple["np.ndarray | None", "int | None", bool]]
-
-
-def window_parts(
-    topk: np.ndarray,
-    src_group: np.ndarray,
-    src_dom: np.ndarray,
-    bounds: Sequence[tuple[int, int]],
-    fit: str,
-    validation_fraction: float,
-) -> tuple[NetSet, NetSet, NetSet, dict]:
-    """``(nets_fit, nets_val, nets_all, extra LayerProblem fields)`` of a layer with >= 2 windows.
-
-    Parameters
-    ----------
-    topk : (dp, T, k) the layer's sampled expert ids, windows one after another along axis 1.
-    src_group, src_dom : (dp, T) EP group and local source domain of every token.
-    bounds : ``(start, stop)`` of each window along axis 1, oldest first (at least two).
-    fit : ``robust``, ``mean`` or ``latest``.
-    validation_fraction : 0 disables the guard (no validation part); otherwise, with ``robust`` and
-        ``mean`` the latest window validates, with ``latest`` its last ``validation_fraction``.
-    """
-    if fit not in FITS:
-        raise ValueError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
-    dp, T, _ = topk.shape
-    cols = np.arange(T)
-
-    def nets(mask_cols: np.ndarray) -> NetSet:
-        mask = np.broadcast_to(mask_cols[None, :], (dp, T))
-        return NetSet.aggregate(topk[mask], src_group[mask], src_dom[mask])
-
-    nets_all = nets(np.ones(T, dtype=bool))
-    if fit == "latest":
-        a, b = bounds[-1]
-        fit_l, val_l, all_l = _split_nets(topk[:, a:b], src_group[:, a:b], src_dom[:, a:b], validation_fraction,
-                                          trivial=False)
-        return fit_l, val_l, nets_all, {"nets_refit": all_l}
-    per_window = tuple(nets((cols >= a) & (cols < b)) for a, b in bounds)
-    extra: dict = {}
-    if validation_fraction > 0:
-        last = bounds[-1][0]
-        fit_nets, val_nets = nets(cols < last), per_window[-1]
-        n_fit = len(bounds) - 1
-    else:
-        fit_nets, val_nets = nets_all, nets(np.zeros(T, dtype=bool))
-        n_fit = len(bounds)
-    if fit == "robust":
-        extra = {"windows": per_window, "fit_windows": n_fit}
-    return fit_nets, val_nets, nets_all, extra
 
 
 def merge_nets(parts: Sequence[NetSet], multipliers: Sequence[int]) -> NetSet:

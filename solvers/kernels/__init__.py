@@ -8,7 +8,10 @@
 - :mod:`solvers.kernels.expert_groups`: whether expert maps keep expert groups whole.
 - :mod:`solvers.kernels.balanced`: load-balanced expert maps, EPLB-style hierarchical packing.
 - :mod:`solvers.kernels.crossings`: crossings of weighted nets and bytes per crossing, both from
-  the primitives :mod:`placement.cost` exports.
+  the primitives :mod:`placement.predict.cost` exports.
+- :mod:`solvers.kernels.hypergraph`: the Mt-KaHyPar partitioner's runtime and context, KM1, capacity
+  repair (shared by the peer :mod:`solvers.kahypar` and the search's partitioner start).
+- :mod:`solvers.kernels.drift`: how much of a fitted gain the next routing window keeps.
 
 Kernels know nothing about layers or options: arrays in, arrays out (``bytes_per_crossing`` reads an
 instance's sizes only).

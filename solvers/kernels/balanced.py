@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from placement.model import Instance, InvalidInputError
+from placement.core.model import Instance, InvalidInputError
 from solvers.kernels.classes import domain_classes
 from solvers.kernels.packing import lpt_pack
 
@@ -68,7 +68,7 @@ def stage_rank_nodes(instance: Instance, rank2gpu: np.ndarray, stage: int) -> np
     """EPLB's "nodes" for one pipeline stage: EP ranks grouped by the dispatcher's node in every EP group.
 
     Two EP ranks share a node when, in each EP group of the stage, they sit in the same node of the
-    dispatcher (:mod:`placement.dispatch`; the same NVLink domain under an equal-slice layout).  With one EP group per stage the nodes are exactly the domains the group touches.
+    dispatcher (:mod:`placement.core.dispatch`; the same NVLink domain under an equal-slice layout).  With one EP group per stage the nodes are exactly the domains the group touches.
 
     Parameters
     ----------
@@ -80,11 +80,11 @@ def stage_rank_nodes(instance: Instance, rank2gpu: np.ndarray, stage: int) -> np
     -------
     (ep,) int64 node of each EP rank, numbered by first appearance in EP-rank order.
     """
-    from placement.dispatch import node_labels, node_rule
+    from placement.core.dispatch import node_labels, node_rule
 
     groups = instance.parallel.stage_ep_groups[stage]  # (G, ep) global ranks
     domains = instance.cluster.gpu2domain[np.asarray(rank2gpu, dtype=np.int64)[groups]]  # (G, ep)
-    # the dispatcher's nodes (placement.dispatch): the domains under an equal-slice layout
+    # the dispatcher's nodes (placement.core.dispatch): the domains under an equal-slice layout
     return domain_classes(node_labels(domains, node_rule(instance))[0], numbering="first_appearance")[1]
 
 

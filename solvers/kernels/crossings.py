@@ -1,9 +1,9 @@
-"""Crossings of weighted nets, and what one crossing costs in bytes: both from :mod:`placement.cost`.
+"""Crossings of weighted nets, and what one crossing costs in bytes: both from :mod:`placement.predict.cost`.
 
 A *net* is a set of tokens with the same source domain and the same expert set, weighted by how
 many sampled tokens it stands for.  Its crossings per token are, in the evaluator's words,
 ``per_domain``: the distinct remote domains its experts reach
-(:func:`placement.cost.remote_domains_per_token`); ``per_pair``: the experts hosted outside its
+(:func:`placement.predict.cost.remote_domains_per_token`); ``per_pair``: the experts hosted outside its
 source domain.  Multiplied by :func:`bytes_per_crossing` they are the evaluator's cross-domain bytes.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from placement.cost import fabric_bytes_per_crossing, remote_domains_per_token
-from placement.model import Instance
+from placement.predict.cost import fabric_bytes_per_crossing, remote_domains_per_token
+from placement.core.model import Instance
 
 __all__ = ["net_crossings_of", "bytes_per_crossing"]
 
@@ -45,5 +45,5 @@ def net_crossings_of(token_domains: np.ndarray, src_domain: np.ndarray, weight: 
 
 
 def bytes_per_crossing(instance: Instance, tokens_per_source: int) -> float:
-    """Fabric bytes per step of one crossing of one sampled token (:func:`placement.cost.fabric_bytes_per_crossing`)."""
+    """Fabric bytes per step of one crossing of one sampled token (:func:`placement.predict.cost.fabric_bytes_per_crossing`)."""
     return fabric_bytes_per_crossing(instance, tokens_per_source)

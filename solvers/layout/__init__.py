@@ -16,7 +16,7 @@ Step 2, footprints, jointly with the experts at domain granularity.  A block's *
     GPUs allow it).  A shape is priced by placing experts on its parts (:mod:`.experts_on_parts`:
     an assignment-problem start and a swap search with exact incremental deltas) for a few MoE
     layers spread over the model, so its price already contains the best expert placement found
-    for it (:mod:`.scorer`, built on :mod:`placement.cost`'s primitives); a block pays that price
+    for it (:mod:`.scorer`, built on :mod:`placement.predict.cost`'s primitives); a block pays that price
     per layer times its stage's MoE layers.  A MILP (:mod:`.milp`, HiGHS through
     ``scipy.optimize.milp``) picks one shape per block and its domains under the domains'
     free-GPU capacities; shapes are priced lazily, column-generation style (:mod:`.pricing`), and
@@ -48,14 +48,14 @@ Step 4, concrete GPUs.  Each block's parts get whole free trays of their domain 
 
 The choice.  Among the candidates within the cap, the best on the objective; then the evaluator
 has the last word on time: the chosen layout with its expert map must have
-``placement.cost.evaluate(...).alltoall_time_s_per_step`` no larger than the default layout's as
+``placement.predict.cost.evaluate(...).alltoall_time_s_per_step`` no larger than the default layout's as
 the ``default`` solver gives it (contiguous experts), else the next candidate is checked, and the
 default layout with contiguous experts always passes.  Each stage and layer gets one expert map
 (the costliest block's); the estimate scores every EP group of the stage with it, so its bytes
 are the evaluator's; its times are close but not exact (the NVLink floor of the contiguous map).
 Under ``step_time`` (the default objective, an instance with a ``performance`` block) the search
 runs for ``total`` and for ``bottleneck`` on a split budget and ALL candidates are ranked by the
-predicted step time (:class:`placement.performance.StepTimeModel` on the evaluator's metrics of the
+predicted step time (:class:`placement.predict.performance.StepTimeModel` on the evaluator's metrics of the
 candidate with its map re-dealt inside classes), bytes breaking ties; the default layout with
 contiguous experts is among them (docs/layout.md, step 11).
 

@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from placement.model import Instance, SolverError
+from placement.core.model import Instance, SolverError
 
 __all__ = ["Block", "layout_blocks", "free_per_domain", "part_units", "block_footprints", "stage_footprints",
            "split_atoms"]

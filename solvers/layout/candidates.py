@@ -8,8 +8,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from placement.cost import Metrics
-from placement.model import Instance, SolverError
+from placement.predict.cost import Metrics
+from placement.core.model import Instance, SolverError
 from solvers.layout.blocks import Block, block_footprints, layout_blocks
 from solvers.layout.scorer import BlockScorer, LayerPlacements, ShapeScore
 

@@ -192,7 +192,7 @@ def nic_copies(
     tok: Tokens, e2p: np.ndarray, part_of_ep: np.ndarray, src_part: np.ndarray, P: int, mode: str, cross: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ep,) copies on each EP rank's NIC in its busier direction: the larger of those it sends as
-    a source and an even share of its part's arrivals (placement.cost prices each NIC per
+    a source and an even share of its part's arrivals (placement.predict.cost prices each NIC per
     direction); and (P,) the arrivals of each part.
 
     ``per_domain`` arrivals land on the group's GPUs of the remote domain evenly (the evaluator's

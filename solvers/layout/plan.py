@@ -11,9 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-from placement.cost import evaluate
-from placement.dispatch import node_labels, node_rule
-from placement.model import InfeasibleError, Instance, Placement, SolverError
+from placement.predict.cost import evaluate
+from placement.core.dispatch import node_labels, node_rule
+from placement.core.model import InfeasibleError, Instance, Placement, SolverError
 from solvers.base import Objective, SolveOptions
 from solvers.kernels.classes import domain_classes
 from solvers.kernels.packing import lpt_pack
@@ -44,7 +44,7 @@ LAYOUT_WORK_SHARE = 0.1
 MAX_SHAPES_PER_BLOCK = 2500
 #: Share of the layout's work budget kept for the replicas <-> experts alternation.
 FINISH_SHARE = 0.2
-#: Predicted seconds of one run of :func:`placement.cost.evaluate` per routed expert id of the
+#: Predicted seconds of one run of :func:`placement.predict.cost.evaluate` per routed expert id of the
 #: sampled window (the API's own scoring estimate, ``placement.api.SCORING_S_PER_EXPERT_ID``).
 EVAL_S_PER_EXPERT_ID = 1e-7
 #: Under ``step_time``: evaluator runs kept in the budget for ranking the candidates by predicted
@@ -85,7 +85,7 @@ def balance_within_classes(instance: Instance, rank2gpu: np.ndarray, phy2log: np
     """The expert map with each layer's experts re-dealt inside every class, loads balanced.
 
     A class here is a set of physical slots whose EP rank has the same node (the dispatcher's,
-    :mod:`placement.dispatch`; the NVLink domain under an equal-slice layout) in every EP
+    :mod:`placement.core.dispatch`; the NVLink domain under an equal-slice layout) in every EP
     group of the stage (and, with ``group_size``, the same group position): moving experts among
     them changes no token's domain, so the cross-domain bytes stay, and group positions keep their
     expert groups.  Inside each class, heaviest expert first (load: its (token, expert) pairs in the
@@ -153,11 +153,11 @@ class LayoutPlanner:
         self.setting_models: dict = {}
         self.step_fallback: str | None = None
         if self.rank_objective == "step_time":
-            from placement.performance import StepTimeModel
+            from placement.predict.performance import StepTimeModel
 
             try:
                 self.step_model = StepTimeModel(instance)
-                from placement.cost import setting_step_models
+                from placement.predict.report import setting_step_models
 
                 self.setting_models = setting_step_models(instance)
             except ValueError:
@@ -454,7 +454,7 @@ class LayoutPlanner:
     def choose_step_time(self) -> Candidate:
         """Under ``step_time``: every candidate (and the default layout with contiguous experts)
         scored by the evaluator on its expert map at every setting of the step-time model, the
-        max-min-regret one chosen (:func:`placement.cost.max_min_regret`; ties by predicted step
+        max-min-regret one chosen (:func:`placement.predict.report.max_min_regret`; ties by predicted step
         time at the instance's own setting, then the evaluator's bytes, then the later, more
         refined candidate); the default with contiguous
         experts is one of them, so the pick's worst ratio over the settings is never below its.  When the clock
@@ -494,9 +494,9 @@ class LayoutPlanner:
             c, ev = item
             return (ev["predicted_step_time_s"], ev["total_bytes"], -rank.get(c.name, -1))
 
-        # The max-min-regret choice over the model's settings (placement.cost.max_min_regret), ties
+        # The max-min-regret choice over the model's settings (placement.predict.report.max_min_regret), ties
         # to the faster at the instance's own setting, then fewer bytes, then the later candidate.
-        from placement.cost import max_min_regret
+        from placement.predict.report import max_min_regret
 
         ranked = sorted(pool, key=key_of)
         choice = max_min_regret([e["by_setting"] for _, e in ranked])

@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from placement.cost import crossings_per_token
+from placement.predict.cost import crossings_per_token
 from solvers.layout.blocks import Block
 from solvers.layout.scorer import BlockScorer, LayerPlacements
 

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from placement.model import Instance
+from placement.core.model import Instance
 from solvers.layout.blocks import Block, free_per_domain, layout_blocks
 
 __all__ = ["equal_slice_breaks", "infeasible_reason", "atoms_in_ep_order", "equal_slices_possible",
@@ -81,7 +81,7 @@ def equal_slices_possible(instance: Instance) -> bool:
 
     Examples
     --------
-    >>> from placement.instances import SPECS, build
+    >>> from placement.sources.instances import SPECS, build
     >>> equal_slices_possible(build(SPECS["tiny"]))
     True
     """

@@ -1,7 +1,7 @@
 """The layout's estimator: a block's cross-domain bytes and all-to-all time under a footprint,
 each EP group with the best domain-level expert map found for it.
 
-Built on :mod:`placement.cost`'s primitives (crossings per token, bytes per crossing): for a given
+Built on :mod:`placement.predict.cost`'s primitives (crossings per token, bytes per crossing): for a given
 expert map the bytes are the evaluator's, exactly.  Times are per layer the busier of the
 busiest NIC (the evaluator's per-GPU model) and the NVLink floor of the contiguous map (an
 approximation; ``tests/test_layout.py`` states the bound).
@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from placement.cost import fabric_bytes_per_crossing, nic_bytes_per_crossing
-from placement.model import Instance
+from placement.predict.cost import fabric_bytes_per_crossing, nic_bytes_per_crossing
+from placement.core.model import Instance
 from solvers.layout.blocks import Block
 from solvers.layout.budget import SCORE_BASE_S, SCORE_S_PER_PAIR, Stopped
 from solvers.layout.experts_on_parts import MAX_SWAPS, PartPlacement, nic_copies, place_on_parts
@@ -80,7 +80,7 @@ class BlockScorer:
         n_tok = max(1, t1 - t0)
         self.bytes_per_crossing = fabric_bytes_per_crossing(instance, n_tok)
         nic_bytes = nic_bytes_per_crossing(instance, n_tok)
-        # a NIC's busier direction carries each copy's four transfers (placement.cost)
+        # a NIC's busier direction carries each copy's four transfers (placement.predict.cost)
         self.nic_s_per_copy = self.bytes_per_crossing / (instance.cluster.scaleout_gbps * 1e9)
         self.nvl_s_per_copy = nic_bytes / (instance.cluster.nvlink_gbps * 1e9)
         self._tokens: dict[tuple[int, int, int], Tokens] = {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import sparse
 
-from placement.cost import crossings_per_token
-from placement.model import CostMode
+from placement.predict.cost import crossings_per_token
+from placement.core.model import CostMode
 
 __all__ = ["Tokens", "part_counts", "crossings"]
 
@@ -51,5 +51,5 @@ def part_counts(tok: Tokens, e2p: np.ndarray, num_parts: int) -> np.ndarray:
 
 def crossings(tok: Tokens, e2p: np.ndarray, src_part: np.ndarray, mode: CostMode | str) -> np.ndarray:
     """(N,) crossings of each token: remote parts (``per_domain``) or remote experts (``per_pair``),
-    counted by :func:`placement.cost.crossings_per_token`."""
+    counted by :func:`placement.predict.cost.crossings_per_token`."""
     return crossings_per_token(e2p[tok.topk], src_part, "per_pair" if mode == "per_pair" else "per_domain")

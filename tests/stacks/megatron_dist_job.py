@@ -5,8 +5,8 @@ SHARDING_TYPE``.  Each rank builds a 2-layer MoE ``GPTModel`` plus one MTP layer
 wraps it in Megatron's ``DistributedDataParallel`` and ``get_megatron_optimizer``
 (``ChainedOptimizer`` of a dense and an expert ``DistributedOptimizer``), takes one step, saves
 with ``dist_checkpointing.save`` in the given ``distrib_optim_sharding_type``, records the bucket
-layout (:func:`placement.checkpoint.write_megatron_bucket_layout`), permutes the checkpoint with
-:func:`placement.checkpoint.permute_dcp` split over both ranks (``distributed=True``; experts
+layout (:func:`placement.consumers.checkpoint.write_megatron_bucket_layout`), permutes the checkpoint with
+:func:`placement.consumers.checkpoint.permute_dcp` split over both ranks (``distributed=True``; experts
 move across the EP ranks, the MTP layer is layer ``num_layers``), loads it into a fresh model and
 optimizer, and takes a step on both.  Rank 0 writes what it measured.
 
@@ -150,7 +150,7 @@ def _full_model_tensors(path: Path) -> dict[str, Any]:
 
 
 def _expected(a: dict[str, Any]) -> dict[str, Any]:
-    """The unpermuted model's tensors with the map applied by hand (independent of placement.checkpoint)."""
+    """The unpermuted model's tensors with the map applied by hand (independent of placement.consumers.checkpoint)."""
     import torch
 
     out = {}
@@ -184,7 +184,7 @@ def run(rank: int, world: int, port: int, out_path: str, sharding: str, tmp: str
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=EP)
     from placement import checkpoint as ck
-    from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
+    from placement.core.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
 
     doc = {"kind": PERMUTATION_KIND, "version": PERMUTATION_VERSION, "stack": "megatron", "num_experts": NUM_EXPERTS,
            "num_groups": 2, "group_limited": True, "layers": {str(k): v for k, v in LAYERS.items()}}

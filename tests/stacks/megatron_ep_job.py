@@ -9,7 +9,7 @@ returns numpy for GPU ones) are patched for CPU.
 Part 1 (TP1 PP1 EP4 DP4, ``moe_token_dispatcher_type="alltoall"``, SequentialMLP, 8 experts in 2
 groups, sigmoid scores with the aux-loss-free bias): the unplaced model ``U`` and the placed model
 ``P``, whose experts are the global expert set permuted in memory by
-``placement.checkpoint.apply_permutation(..., keep_router=True)`` with a group-breaking map and
+``placement.consumers.checkpoint.apply_permutation(..., keep_router=True)`` with a group-breaking map and
 then cut into EP ranks as Megatron does (EP rank ``r`` holds slots ``2r, 2r + 1``), with the map
 installed.  Each rank feeds its own batch; the job measures losses, dense and expert gradients
 (expert gradients gathered over EP and permuted), the aux-loss-free counters, the ids the
@@ -121,7 +121,7 @@ def part1(rank: int) -> dict:
 
     from placement import checkpoint as ck
     from placement import runtime as rt
-    from placement.importers.recorder import RouterRecorder, megatron_routers
+    from placement.sources.importers.recorder import RouterRecorder, megatron_routers
     from tests.stacks.tiny import NUM_EXPERTS, megatron_batch
     from tests.stacks.watch import host_tensor_watch
 
@@ -333,7 +333,7 @@ def main(out_dir: str, world: int = 4) -> int:
     import megatron.core.models.gpt  # noqa: F401  (imported before the fork: each worker inherits it)
     import torch
 
-    import placement.checkpoint  # noqa: F401
+    import placement.consumers.checkpoint  # noqa: F401
     from tests.stacks.tiny import free_port, install_cpu_patches
 
     torch.set_num_threads(1)

@@ -30,7 +30,7 @@ def run(out_path: str) -> None:
 
     from placement import checkpoint as ck
     from placement import runtime as rt
-    from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
+    from placement.core.permutation import PERMUTATION_KIND, PERMUTATION_VERSION
 
     def loss_of(model, seed):
         tokens, pos, mask, labels = megatron_batch(seed)

@@ -13,7 +13,7 @@ experts and the ``allgather`` dispatcher; TorchTitan 0.3.0 ``MoE`` with ``Groupe
 - ``moved``: the same, migrating to :data:`NEW_MAPS` after step MIGRATE_AT;
 - ``interrupted``: a migration that fails on rank 1 before the switch (the received-buffer check
   raises), then training goes on;
-- ``resumed``: the ``moved`` run checkpointed (model, optimizer, :func:`placement.migrate.map_state`)
+- ``resumed``: the ``moved`` run checkpointed (model, optimizer, :func:`placement.consumers.migrate.map_state`)
   after the migration, loaded into a fresh model with other weights, continued.
 
 Expert parameters are reported by *logical* expert (slot ``p`` holds ``phy2log[p]``), so runs
@@ -38,7 +38,7 @@ NEW_MAPS_BY_POSITION = ([4, 2, 1, 3, 0, 5, 7, 6], [7, 6, 5, 4, 3, 2, 1, 0])
 
 
 def live_map(install: Any, model: Any, maps: dict[int, list[int]]) -> Any:
-    """The live map :mod:`placement.runtime` installs (an ``InstalledMap``)."""
+    """The live map :mod:`placement.consumers.runtime` installs (an ``InstalledMap``)."""
     return install(model, maps)
 
 
@@ -294,13 +294,13 @@ def _base_instance(path: Path, world: int) -> None:
 
 
 def controller_run(job: Any, rank: int, folder: Path) -> dict[str, Any]:
-    """Train under a :class:`placement.controller.ReplacementController` (a cycle every 4 steps,
+    """Train under a :class:`placement.plan.controller.ReplacementController` (a cycle every 4 steps,
     recording 2) until its first decision; report it and the state after it."""
     import numpy as np
     import torch.distributed as dist
 
-    from placement.controller import ReplacementController
-    from placement.model import Placement
+    from placement.plan.controller import ReplacementController
+    from placement.core.model import Placement
     from solvers.default import default_rank2gpu
 
     base = folder / "instance.json"

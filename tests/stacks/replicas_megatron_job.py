@@ -9,14 +9,14 @@ Two layouts, each with the ``alltoall`` dispatcher, ``SequentialMLP`` experts, M
 
 Per layout three jobs of five steps on the same batches: ``ref`` (8 experts, no replicas), ``rep``
 (the replica model: expert slot ``p`` starts from logical expert ``phy2log[p]``'s weights, the
-dense and router weights copied from ``ref``, :func:`placement.replica_runtime.install_megatron_replicas`,
+dense and router weights copied from ``ref``, :func:`placement.consumers.replica_runtime.install_megatron_replicas`,
 ``reduce_grads`` before ``finish_grad_sync``) and ``skip`` (the same without ``reduce_grads``).
-Live re-plans, :meth:`~placement.replica_runtime.InstalledReplicas.replan` (``placement.migrate``):
+Live re-plans, :meth:`~placement.consumers.replica_runtime.InstalledReplicas.replan` (``placement.consumers.migrate``):
 
 - ``ep4/replan``: ``rep`` whose redundant slots take other experts after step ``REPLAN_AT``
   (``REPLAN``, weights and Adam state moved); ``ep4/replan_no_state``: the same, then the moved
   slots' Adam moments zeroed (a replica created with fresh optimizer state);
-- ``ep2_edp2/replan``: ``rep`` under :class:`placement.controller.ReplicaController` (``hottest``,
+- ``ep2_edp2/replan``: ``rep`` under :class:`placement.plan.controller.ReplicaController` (``hottest``,
   a re-plan every 2 steps from the last step's routing counts, so after steps 1 and 3), moving
   the DistributedOptimizer's shards; ``ep2_edp2/replan_skip``: the same without ``reduce_grads``;
   ``ep2_edp2/replan_no_state``: the same as ``replan``, then the moved slots' shards of the Adam
@@ -187,7 +187,7 @@ def job(layout: str, mode: str, rank: int) -> dict:
     from tests.stacks.tiny import megatron_batch
 
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=EP[layout])
-    from placement.controller import ReplicaController
+    from placement.plan.controller import ReplicaController
 
     model, ddp, opt, installed = _build(layout, mode != "ref")
     maps = dict(MAPS[layout])

@@ -6,7 +6,7 @@ group-limited top-2, ``AllToAllTokenDispatcher``, ``GroupedExperts``), sharded b
 ``set_moe_sharding_config(enable_ep=True)`` and ``Module.parallelize`` on ``ParallelDims(dp_shard=2,
 tp=2, ep=2)`` with the ``full_dtensor`` backend.  ``ref`` has 8 experts; ``rep`` and ``skip`` have
 8 + 2 slots (:data:`MAP`), the router still choosing among 8, each slot starting from its logical
-expert's weights, with :func:`placement.replica_runtime.install_torchtitan_replicas`; ``rep`` sums
+expert's weights, with :func:`placement.consumers.replica_runtime.install_torchtitan_replicas`; ``rep`` sums
 the replicas' gradients over the EP mesh (``reduce_grads``), ``skip`` does not.  Five SGD steps on
 the same batches; each rank writes the losses and the largest differences of the input, router and
 expert gradients and of the expert weights (slot ``p`` against logical expert ``MAP[p]``).

@@ -1,4 +1,4 @@
-"""Live expert migration (placement.migrate) in multi-process CPU training on the stacks' own code.
+"""Live expert migration (placement.consumers.migrate) in multi-process CPU training on the stacks' own code.
 
 Two gloo processes, EP = 2, 8 experts per MoE layer, two MoE layers (tests/stacks/migrate_jobs.py:
 Megatron-Core 0.16.1 ``GPTModel`` + ``SequentialMLP`` + ``FP32Optimizer(Adam)``; TorchTitan 0.3.0
@@ -6,7 +6,7 @@ Megatron-Core 0.16.1 ``GPTModel`` + ``SequentialMLP`` + ``FP32Optimizer(Adam)``;
 
 - a run that migrates after step 2 gives the losses and the final parameters and Adam moments
   (by logical expert) of a run that never migrates, up to ``ATOL`` (float reordering in the combine);
-- the replicas and bytes it moves are what :func:`placement.movecount.count_moves` (the solver's
+- the replicas and bytes it moves are what :func:`placement.core.movecount.count_moves` (the solver's
   move report) counts for the same two maps, at this run's 12 bytes per parameter (FP32 weights,
   two FP32 moments: no separate master copy on CPU);
 - a migration the ranks disagree on (different new maps) is refused on every rank, and one that
@@ -71,8 +71,8 @@ def _close(a: dict, b: dict, what: str) -> None:
 
 def _count(stack_layers: list[int], new_maps: dict) -> dict:
     """The solver's move report for identity -> new_maps on a 2-rank, 2-GPU, 2-domain instance."""
-    from placement.model import Placement
-    from placement.movecount import count_moves
+    from placement.core.model import Placement
+    from placement.core.movecount import count_moves
     from solvers.default import default_rank2gpu
     from tests.conftest import random_instance
 

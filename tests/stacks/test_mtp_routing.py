@@ -62,7 +62,7 @@ def test_mtp_router_calls_are_recorded_logically_and_imported_as_layer_num_layer
 
     from placement import checkpoint as ck
     from placement import runtime as rt
-    from placement.importers.recorder import RouterRecorder, megatron_mtp_routers, megatron_routers
+    from placement.sources.importers.recorder import RouterRecorder, megatron_mtp_routers, megatron_routers
     from tests.stacks.tiny import causal_inputs, cpu_patches
 
     logical, physical = mtp_gpt
@@ -128,7 +128,7 @@ def test_megatron_refusals_are_one_line_and_update_follows_a_new_map(mtp_gpt):
     import torch
 
     from placement import runtime as rt
-    from placement.model import InvalidInputError
+    from placement.core.model import InvalidInputError
     from tests.stacks.tiny import cpu_patches
 
     logical, _ = mtp_gpt

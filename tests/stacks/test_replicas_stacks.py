@@ -5,8 +5,8 @@ skipping the replicas' gradient sum breaks that.
 Megatron-Core 0.16.1 (``tests/stacks/replicas_megatron_job.py``, 4 processes): EP4 with the plain
 optimizer, and EP2 x expert-DP 2 with the DistributedOptimizer, the ``alltoall`` dispatcher and
 ``SequentialMLP`` experts; both also across live re-plans (``InstalledReplicas.replan``, which runs
-``placement.migrate.migrate``): EP4 after step 1 to a fixed map, EP2 x expert-DP 2 by
-``placement.controller.ReplicaController`` from the last step's routing after steps 1 and 3,
+``placement.consumers.migrate.migrate``): EP4 after step 1 to a fixed map, EP2 x expert-DP 2 by
+``placement.plan.controller.ReplicaController`` from the last step's routing after steps 1 and 3,
 moving the DistributedOptimizer's shards.  Each fails when the moved slots' Adam moments are
 not carried (zeroed), and EP2 x expert-DP 2 across the re-plans fails without the gradient sum.  TorchTitan 0.3.0 (``tests/stacks/replicas_titan_job.py``, 4 processes):
 one MoE layer with EP2 x TP2 (``full_dtensor``), five SGD steps; its ``GroupedExperts`` rounds each
@@ -141,7 +141,7 @@ def test_megatron_live_replan_keeps_the_job_equal_to_the_job_without_replicas(me
 
 
 def test_megatron_controller_replans_from_the_last_steps_routing_on_every_rank_alike(megatron):
-    from placement.replica_runtime import replica_plan
+    from placement.consumers.replica_runtime import replica_plan
     from tests.stacks.replicas_megatron_job import CONTROL_EVERY, MAPS
     from tests.stacks.tiny import NUM_EXPERTS, TOP_K
 

@@ -1,7 +1,7 @@
 """The live expert map on TorchTitan 0.3.0's own ``MoE`` (``torchtitan/models/common/moe.py``), in process.
 
 - The hooks read device tensors built once at install: a forward and backward with the map
-  installed makes no tensor from Python data in :mod:`placement.runtime` (``torch.tensor``,
+  installed makes no tensor from Python data in :mod:`placement.consumers.runtime` (``torch.tensor``,
   ``torch.as_tensor``, ``torch.from_numpy`` are watched while the model runs).
 - ``InstalledMap.update`` rewrites the same tensors: after the weights move to another order and
   the map is updated, the model again equals the logical one; the tensors keep their storage.
@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 pytest.importorskip("triton")  # torchtitan imports it unconditionally
 
-from placement import checkpoint as ck  # noqa: E402
-from placement import runtime as rt  # noqa: E402
-from placement.model import InvalidInputError  # noqa: E402
+from placement.consumers import checkpoint as ck  # noqa: E402
+from placement.consumers import runtime as rt  # noqa: E402
+from placement.core.model import InvalidInputError  # noqa: E402
 from tests.stacks.watch import host_tensor_watch  # noqa: E402
 from tests.stacks.tiny import DIM, GROUP_PRESERVING, NON_GROUP_PRESERVING, titan_model, titan_moe  # noqa: E402
 
@@ -86,7 +86,7 @@ def test_update_rewrites_the_same_tensors_and_follows_moved_weights():
 
 
 def test_the_recorder_registered_after_the_map_records_logical_ids(tmp_path):
-    from placement.importers.recorder import RouterRecorder, torchtitan_routers
+    from placement.sources.importers.recorder import RouterRecorder, torchtitan_routers
 
     logical = titan_model(5)
     maps = {l: NON_GROUP_PRESERVING for l in LAYERS}

@@ -23,8 +23,8 @@ from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, loa
 
 from placement import checkpoint as ck  # noqa: E402
 from placement import runtime as rt  # noqa: E402
-from placement.model import InfeasibleError  # noqa: E402
-from placement.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
+from placement.core.model import InfeasibleError  # noqa: E402
+from placement.core.permutation import PERMUTATION_KIND, PERMUTATION_VERSION  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")]
 from tests.stacks.tiny import DIM, GROUP_PRESERVING, NON_GROUP_PRESERVING, NUM_EXPERTS, titan_model  # noqa: E402

@@ -292,7 +292,7 @@ def keep_router_export(tmp: "os.PathLike[str] | str", stack: str, moe_layers: tu
 
     from placement.cli import main as cli_main
     from placement.formats import placement_document, read_instance, write_instance, write_placement
-    from placement.model import MoEModel, ParallelLayout, Placement, Routing
+    from placement.core.model import MoEModel, ParallelLayout, Placement, Routing
     from solvers.default import default_rank2gpu
     from tests.conftest import random_instance
 

@@ -36,7 +36,7 @@ def _moe(seed: int, maps: dict | None):  # type: ignore[no-untyped-def]
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
     from torchtitan.models.deepseek_v3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
 
-    from placement import checkpoint as ck
+    from placement.consumers import checkpoint as ck
     from tests.stacks.tiny import DIM, FFN, NUM_EXPERTS, TOP_K
 
     router = make_router_config(
@@ -81,7 +81,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torchtitan.distributed import utils as dist_utils
 
-    from placement import runtime as rt
+    from placement.consumers import runtime as rt
     from tests.stacks.tiny import DIM
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -146,7 +146,7 @@ def main(out_dir: str, world: int = 4) -> int:
     import torch
     import torchtitan.models.common.moe  # noqa: F401  (imported before the fork)
 
-    import placement.checkpoint  # noqa: F401
+    import placement.consumers.checkpoint  # noqa: F401
     from tests.stacks.tiny import free_port
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """What the runtime hooks may not do per call: build a tensor from Python data.
 
 :func:`host_tensor_watch` records every ``torch.tensor`` / ``torch.as_tensor`` /
-``torch.from_numpy`` call whose caller is ``placement/runtime.py`` while a block runs (a forward
+``torch.from_numpy`` call whose caller is ``placement/consumers/runtime.py`` while a block runs (a forward
 and backward with the map installed): each such call is a host-to-device copy and a stream sync on
 a GPU, and illegal inside CUDA-graph capture.  The stacks' own calls are not counted.
 """
@@ -18,12 +18,12 @@ WATCHED = ("tensor", "as_tensor", "from_numpy")
 
 @contextlib.contextmanager
 def host_tensor_watch() -> Iterator[list[str]]:
-    """Yield the list the calls made from placement/runtime.py are appended to (by name)."""
+    """Yield the list the calls made from placement/consumers/runtime.py are appended to (by name)."""
     import torch
 
-    import placement.runtime
+    import placement.consumers.runtime
 
-    runtime_file = str(Path(placement.runtime.__file__).resolve())
+    runtime_file = str(Path(placement.consumers.runtime.__file__).resolve())
     calls: list[str] = []
     originals = {name: getattr(torch, name) for name in WATCHED}
 
