@@ -79,7 +79,7 @@ def priced_figures(instance: Instance, placement: Placement, rmap: ReplicaMap) -
     """The evaluator's figures with ``rmap`` (:func:`placement.predict.cost.report` with ``replicas=``), sampled
     and held out (``heldout_`` prefix): TFLOP/s per GPU at each setting (with a performance block),
     cross-domain bytes, the lasting load, memory and gradient-sum bytes of the replicas."""
-    from placement.predict.cost import report
+    from placement.predict.report import report
     from placement.predict.replica_cost import expert_params_or_none
 
     rep = report(instance, placement, replicas=rmap)
