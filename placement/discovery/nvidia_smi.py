@@ -30,9 +30,11 @@ registered GPUs of one NVLink domain share ClusterUUID and CliqueId.  What drive
 
 Such a GPU is never read as a clique: it is unusable.  A registered GPU whose ``Health`` says
 ``Summary : Unhealthy`` (kubernetes-sigs/dra-driver-nvidia-gpu#626 shows one) or ``Route Unhealthy
-: True`` is unusable too.  A host with an unusable GPU is down as a whole tray (the rule of
-:meth:`placement.discovery.common.Discovered.tray_down`).  A host none of whose GPUs is registered
-has no known domain: an error naming it, or with ``skip_unready`` left out with a warning.
+: True`` is unusable too.  An unusable GPU of a host whose other GPUs say its domain is left out on
+its own (``unavailable_gpus``, one warning line per host naming the GPUs; the rule of
+:meth:`placement.discovery.common.Discovered.unusable_at`): it never stops the cluster file.  A
+host none of whose GPUs is registered has no known domain: an error naming it and
+``--skip-unready``, or with ``skip_unready`` left out with a warning.
 
 The output carries no host name: each input is ``HOST=PATH``, or a file named after its host
 (``gb001.txt`` -> ``gb001``), or one ``pdsh -w HOSTS nvidia-smi -q`` output whose lines carry a
@@ -144,12 +146,14 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
     cliques: dict[tuple[str, int], list[str]] = {}
     gpus: dict[str, int] = {}
     faulty: dict[str, str] = {}
+    unusable: dict[str, tuple[int, ...]] = {}
     unready: dict[str, str] = {}
     for host, label, text in texts:
         if host in gpus or host in unready:
             raise InvalidInputError(f"{label}: host {host} given twice")
         keys: set[tuple[str, int]] = set()
         bad: list[str] = []
+        bad_local: list[int] = []
         sections = _gpu_sections(host, label, text)
         for local, (line, fab) in enumerate(sections):
             where = f"{label}:{line}: host {host} GPU {local}"
@@ -164,11 +168,13 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
                 raise InvalidInputError(f"{where}: Fabric ClusterUUID {fab['ClusterUUID']!r} is not a UUID")
             if not _registered(fab):
                 bad.append(f"GPU {local}: {_why(fab)}")
+                bad_local.append(local)
                 continue
             keys.add((fab["ClusterUUID"].lower(), int(fab["CliqueId"])))
             if _unhealthy(fab):
                 health = "Summary Unhealthy" if fab.get("Health/Summary") == "Unhealthy" else "Route Unhealthy True"
                 bad.append(f"GPU {local}: Fabric Health {health}")
+                bad_local.append(local)
         if len(keys) > 1:
             raise InvalidInputError(f"{label}: host {host}: its GPUs are in {len(keys)} NVLink cliques {sorted(keys)}")
         if not keys:
@@ -177,9 +183,10 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
         gpus[host] = len(sections)
         cliques.setdefault(keys.pop(), []).append(host)
         if bad:
-            faulty[host] = f"{len(bad)} of {len(sections)} GPUs unusable; {bad[0]}"
+            faulty[host] = "; ".join(bad)
+            unusable[host] = tuple(bad_local)
     left_out = settle_unready(unready, skip_unready)
     if not gpus and not left_out:
         raise InvalidInputError("nvidia-smi: no host given")
     domains = [(f"{uuid}.{cid}", sorted(hosts, key=natural_key)) for (uuid, cid), hosts in sorted(cliques.items())]
-    return Discovered("nvidia-smi -q", domains, gpus, faulty=faulty, left_out=left_out)
+    return Discovered("nvidia-smi -q", domains, gpus, faulty=faulty, left_out=left_out, unusable=unusable)
