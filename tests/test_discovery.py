@@ -428,6 +428,31 @@ def test_nvidia_smi_health_fields_r570_without_summary():
     assert healthy.faulty == {}
 
 
+@pytest.mark.parametrize("lines,why", [
+    (["    GPU Recovery Action                   : Node Reboot"], "GPU Recovery Action Node Reboot"),
+    (["    GPU Recovery Action                   : Drain and Reset"], "GPU Recovery Action Drain and Reset"),
+    # R565 and older: the GPU Reset Status block (R570 prints "Requested functionality has been deprecated")
+    (["    GPU Reset Status", "        Reset Required                    : Yes",
+      "        Drain and Reset Recommended       : No"], "GPU Reset Status Reset Required Yes"),
+    (["    GPU Reset Status", "        Reset Required                    : No",
+      "        Drain and Reset Recommended       : Yes"], "GPU Reset Status Drain and Reset Recommended Yes"),
+    (["    GPU Reset Status", "        Reset Required                    : Requested functionality has been deprecated",
+      "    GPU Recovery Action                   : None"], None),
+    (["    GPU Recovery Action                   : N/A"], None),
+], ids=["reboot", "drain-and-reset", "reset-required", "drain-recommended", "r570-none", "na"])
+def test_nvidia_smi_gpu_recovery_action(lines, why):
+    """A registered, fabric-healthy GPU the driver asks to recover first (nvidia-smi -q's per-GPU
+    ``GPU Recovery Action``, or the older ``GPU Reset Status``) is unusable; ``None`` is not."""
+    text = _smi_r580(UUID_A, 1, (OK,) * 4).splitlines(keepends=True)
+    at = [n for n, line in enumerate(text) if "Product Name" in line][1]  # GPU 1
+    text[at + 1 : at + 1] = [line + "\n" for line in lines]
+    found = parse_nvidia_smi([("gb001", "gb001.txt", "".join(text))])
+    if why is None:
+        assert found.unusable == {} and found.faulty == {}
+    else:
+        assert found.unusable == {"gb001": (1,)} and found.faulty == {"gb001": f"GPU 1: {why}"}
+
+
 def test_nvidia_smi_state_na_is_no_fabric_and_bad_fields_exit_2(tmp_path, capsys):
     no_fabric = ("N/A", "N/A", "N/A", "N/A", "N/A")  # H100: no NVLink fabric at all
     files = _smi_cluster(tmp_path, {"gb001": (OK,) * 4, "h100-1": (no_fabric,) * 4})
@@ -756,3 +781,49 @@ def test_fuzz_nvidia_smi(cut, at, junk):
         cluster_document(parse_nvidia_smi([("gb001", "gb001.txt", t[:i] + junk + t[i:])]), name="f")
     except InvalidInputError:
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures in the drivers' printed layout (tests/data/discovery/README.md gives the source of each
+# shape): nvidia-smi -q of driver R580 (colon at column 55, Partition Assigned, GPU Recovery
+# Action) and kubectl get nodes -o json with GPU feature discovery's labels.
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "data" / "discovery"
+FIXTURE_UUID = "6a130f54-faaa-4b8f-847f-be44ab70f917"
+
+
+def test_fixture_nvidia_smi_r580(tmp_path, capsys):
+    files = [str(FIXTURES / f"gb00{i}.nvidia-smi-q.txt") for i in range(1, 5)]
+    found = parse_nvidia_smi([(f"gb00{i}", f, FIXTURES.joinpath(f).read_text()) for i, f in enumerate(files, 1)], skip_unready=True)
+    assert found.unusable == {"gb002": (2, 3), "gb004": (1,)}
+    assert found.faulty["gb002"].startswith("GPU 2: Fabric State In Progress, Status N/A, CliqueId N/A, ClusterUUID N/A")
+    assert found.faulty["gb002"].endswith("GPU 3: GPU Recovery Action Reset")
+    # gb003: every GPU Insufficient Resources with clique 0 and a zero UUID: no domain of its own
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
+    assert code == 2 and doc is None and len(err) == 1, err
+    assert "host gb003" in err[0] and "registration failed" in err[0] and "--skip-unready" in err[0], err
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files, "--skip-unready")
+    assert code == 0 and doc["domain_names"] == [f"{FIXTURE_UUID}.32766"], err
+    assert doc["hosts"] == [["gb001", "gb002", "gb004"]] and "00000000-0000" not in json.dumps(doc)
+    # tray 1 (gb002) GPUs 2, 3 -> 6, 7; tray 2 (gb004) GPU 1 -> 9
+    assert doc["unavailable_gpus"] == [6, 7, 9] and doc["unavailable_trays"] == []
+    assert [line.split(": ")[2] for line in err] == ["left out", "unusable", "unusable"], err
+    assert "host gb003" in err[0] and "host gb002: GPU 2, 3 of 4 unusable" in err[1] and "host gb004: GPU 1 of 4" in err[2]
+    # the same bytes again: deterministic
+    first = (tmp_path / "c.json").read_bytes()
+    assert _cluster(tmp_path, capsys, "nvidia-smi", files[::-1], "--skip-unready")[0] == 0
+    assert (tmp_path / "c.json").read_bytes() == first
+
+
+def test_fixture_kubectl_get_nodes(tmp_path, capsys):
+    path = str(FIXTURES / "kubectl-get-nodes.json")
+    code, doc, err = _cluster(tmp_path, capsys, "kubernetes", [path])
+    assert code == 2 and len(err) == 1 and "node gb004" in err[0] and "--skip-unready" in err[0], err
+    code, doc, err = _cluster(tmp_path, capsys, "kubernetes", [path], "--skip-unready")
+    assert code == 0 and doc["hosts"] == [["gb001", "gb002", "gb003", "gb005"]], err
+    # gb002: 2 of 4 allocatable -> its GPUs 2, 3 (tray 1: 6, 7); gb003: no device plugin -> tray down
+    assert doc["unavailable_gpus"] == [6, 7] and doc["unavailable_trays"] == [[0, 2]]
+    assert "1 hosts down, 2 GPUs down on 1 other hosts, 10 GPUs usable, 1 hosts left out" in doc["description"]
+    assert len(err) == 3 and "node gb004" in err[0], err
+    assert "host gb002: GPU 2, 3 of 4 unusable: 2 of 4 GPUs allocatable" in err[1], err
+    assert "host gb003: no usable GPU, tray down" in err[2] and "device plugin not running" in err[2], err

@@ -30,7 +30,10 @@ registered GPUs of one NVLink domain share ClusterUUID and CliqueId.  What drive
 
 Such a GPU is never read as a clique: it is unusable.  A registered GPU whose ``Health`` says
 ``Summary : Unhealthy`` (kubernetes-sigs/dra-driver-nvidia-gpu#626 shows one) or ``Route Unhealthy
-: True`` is unusable too.  An unusable GPU of a host whose other GPUs say its domain is left out on
+: True`` is unusable too, as is one the driver asks to recover first (``GPU Recovery Action``
+other than ``None``: ``Reset``, ``Node Reboot``, ``Drain P2P``, ``Drain and Reset``; or, on drivers
+before R570, ``GPU Reset Status`` ``Reset Required : Yes`` / ``Drain and Reset Recommended :
+Yes``).  An unusable GPU of a host whose other GPUs say its domain is left out on
 its own (``unavailable_gpus``, one warning line per host naming the GPUs; the rule of
 :meth:`placement.discovery.common.Discovered.unusable_at`): it never stops the cluster file.  A
 host none of whose GPUs is registered has no known domain: an error naming it and
@@ -56,38 +59,52 @@ _GPU = re.compile(r"^GPU [0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-F
 _FIELD = re.compile(r"^(\s*)([^:]+?)\s*:\s*(.*?)\s*$")
 
 
-def _gpu_sections(host: str, label: str, text: str) -> list[tuple[int, dict[str, str]]]:
-    """Per GPU: its line and its Fabric fields (``State``, ``Status``, ``CliqueId``,
-    ``ClusterUUID``, and ``Health/Summary``, ``Health/Route Unhealthy``, ...)."""
+def _gpu_sections(host: str, label: str, text: str) -> list[tuple[int, dict[str, str], dict[str, str]]]:
+    """Per GPU: its line, its Fabric fields (``State``, ``Status``, ``CliqueId``, ``ClusterUUID``,
+    ``Health/Summary``, ``Health/Route Unhealthy``, ...) and its other fields by path
+    (``GPU Recovery Action``, ``GPU Reset Status/Reset Required``, ...); the first of a repeated
+    path counts."""
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if _GPU.match(line)]
     if not starts:
         raise InvalidInputError(f"{label}: host {host}: no 'GPU <bus id>' section (not nvidia-smi -q output?)")
-    out: list[tuple[int, dict[str, str]]] = []
+    out: list[tuple[int, dict[str, str], dict[str, str]]] = []
     for k, s in enumerate(starts):
         end = starts[k + 1] if k + 1 < len(starts) else len(lines)
-        fabric: dict[str, str] = {}
-        indent: int | None = None
-        sub, sub_indent = "", 0  # the subsection (Health) a nested field is in
+        fields: dict[str, str] = {}
+        stack: list[tuple[int, str]] = []  # the subsections (Fabric, Health, ...) a line is in
         for line in lines[s + 1 : end]:
-            if indent is None:
-                if line.strip() == "Fabric":
-                    indent = len(line) - len(line.lstrip())
-                continue
             if not line.strip():
                 continue
             depth = len(line) - len(line.lstrip())
-            if depth <= indent:
-                break
-            if sub and depth <= sub_indent:
-                sub = ""
+            while stack and stack[-1][0] >= depth:
+                stack.pop()
             m = _FIELD.match(line)
             if m and m.group(3):
-                fabric.setdefault(f"{sub}/{m.group(2)}" if sub else m.group(2), m.group(3))
-            elif not m:
-                sub, sub_indent = line.strip(), depth
-        out.append((s + 1, fabric))
+                fields.setdefault("/".join([name for _, name in stack] + [m.group(2)]), m.group(3))
+            else:
+                stack.append((depth, m.group(2) if m else line.strip()))
+        fabric = {key[len("Fabric/"):]: v for key, v in fields.items() if key.startswith("Fabric/")}
+        out.append((s + 1, fabric, fields))
     return out
+
+
+# What nvidia-smi prints for a GPU the driver asks to recover (``GPU Recovery Action``: None,
+# Reset, Node Reboot, Drain P2P, Drain and Reset; R565 on) and, before R570 deprecated them, the
+# ``GPU Reset Status`` lines ``Reset Required`` / ``Drain and Reset Recommended`` (Yes/No).
+_NO_RECOVERY = ("None", "N/A", "Not Supported", "[Not Supported]")
+_RESET_FIELDS = ("GPU Reset Status/Reset Required", "GPU Reset Status/Drain and Reset Recommended")
+
+
+def _recovery(fields: dict[str, str]) -> str | None:
+    """Why the driver says the GPU needs recovering before it runs work, or None."""
+    action = fields.get("GPU Recovery Action", "None")
+    if action not in _NO_RECOVERY:
+        return f"GPU Recovery Action {action}"
+    for key in _RESET_FIELDS:
+        if fields.get(key) == "Yes":
+            return f"{key.replace('/', ' ')} Yes"
+    return None
 
 
 _UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
@@ -155,7 +172,7 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
         bad: list[str] = []
         bad_local: list[int] = []
         sections = _gpu_sections(host, label, text)
-        for local, (line, fab) in enumerate(sections):
+        for local, (line, fab, fields) in enumerate(sections):
             where = f"{label}:{line}: host {host} GPU {local}"
             for key in ("State", "Status", "CliqueId", "ClusterUUID"):
                 if key not in fab:
@@ -174,6 +191,9 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
             if _unhealthy(fab):
                 health = "Summary Unhealthy" if fab.get("Health/Summary") == "Unhealthy" else "Route Unhealthy True"
                 bad.append(f"GPU {local}: Fabric Health {health}")
+                bad_local.append(local)
+            elif (recover := _recovery(fields)) is not None:
+                bad.append(f"GPU {local}: {recover}")
                 bad_local.append(local)
         if len(keys) > 1:
             raise InvalidInputError(f"{label}: host {host}: its GPUs are in {len(keys)} NVLink cliques {sorted(keys)}")
