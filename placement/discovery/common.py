@@ -129,9 +129,10 @@ class Discovered:
         ``Gres``), so downing the tray would throw away GPUs the scheduler hands out.  Kubernetes
         and Slurm give a count, not which GPUs: the unusable ones are taken as the highest local
         indices, which is what a job sees (the scheduler shows a job its GPUs renumbered 0 .. k-1:
-        device plugin, Slurm's ``ConstrainDevices``/``CUDA_VISIBLE_DEVICES``); within a tray the
-        GPUs are alike to the plan (one NVLink domain), so the choice moves no byte.  nvidia-smi
-        names the GPU, and that GPU is the one marked.
+        device plugin; Slurm with ``ConstrainDevices=yes``); within a tray the GPUs are alike to the
+        plan (one NVLink domain), so the choice moves no byte.  nvidia-smi names the GPU, and that
+        GPU is the one marked (the source to use on Slurm without ``ConstrainDevices``, where the
+        launcher's ``CUDA_VISIBLE_DEVICES`` addresses physical indices).
         """
         trays: dict[str, str] = {}
         part: dict[str, tuple[tuple[int, ...], str]] = {}
