@@ -603,6 +603,31 @@ def test_api_reports_unusable_gpus_as_one_warning_per_host(tmp_path):
     assert doc["unavailable_gpus"] == [1, 3, 8] and doc["hosts"] == [["gb001", "gb002"], ["gb003"]]
 
 
+def test_a_host_with_gpus_down_runs_fewer_ranks_on_its_usable_gpus(tiny, tmp_path, capsys):
+    """The rule's premise, end to end: nvidia-smi of tiny's 5 domains x 2 trays x 2 GPUs with gb003's
+    GPU 1 and gb005's GPU 0 unhealthy and gb008 with no usable GPU leaves exactly 16 usable GPUs for
+    16 ranks; the solve uses them all, and the Slurm launch files run one rank on gb003 (GPU 0) and
+    one on gb005 (GPU 1)."""
+    bad = {"gb003": (OK, UNHEALTHY), "gb005": (UNHEALTHY, OK), "gb008": (UNHEALTHY, UNHEALTHY)}
+    files = [_write(tmp_path, f"gb{h:03d}.txt", _smi_r580(UUID_A, 1 + (h - 1) // 2, bad.get(f"gb{h:03d}", (OK, OK))))
+             for h in range(1, 11)]
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
+    assert code == 0 and doc["unavailable_trays"] == [[3, 1]] and doc["unavailable_gpus"] == [5, 8], err
+    assert len(err) == 3 and "16 GPUs usable" in doc["description"]
+    cl = read_cluster(tmp_path / "c.json").cluster
+    inst = dataclasses.replace(tiny, cluster=cl)
+    write_instance(inst, tmp_path / "i.json")
+    out = tmp_path / "p.json"
+    assert main(["solve", str(tmp_path / "i.json"), "--solver", "default", "-o", str(out)]) == 0
+    assert main(["export", str(out), "--format", "slurm", "--instance", str(tmp_path / "i.json"),
+                 "-o", str(tmp_path / "job.hosts")]) == 0
+    capsys.readouterr()
+    hosts = (tmp_path / "job.hosts").read_text().split()
+    assert len(hosts) == 16 and hosts.count("gb003") == 1 and hosts.count("gb005") == 1 and "gb008" not in hosts
+    gpus = dict(line.split() for line in (tmp_path / "job.gpus").read_text().splitlines() if line.strip())
+    assert gpus["gb003"] == "0" and gpus["gb005"] == "1"
+
+
 # ---------------------------------------------------------------------------------------------
 # Real host names flow through the instance; solving for an allocation
 
