@@ -263,3 +263,22 @@ def test_a_maintenance_reservation_prints_maintenance_and_downs_the_tray(slurm, 
         assert [RACKS - 1, TRAYS - 1] in doc["unavailable_trays"] and "15 hosts down" in capsys.readouterr().out
     finally:
         slurm.scontrol("delete", "reservation", "placement_maint")
+
+
+def test_a_node_with_fewer_gpus_keeps_them(slurm, tmp_path, monkeypatch, capsys):
+    """Gres=gpu:2 on one node of the live controller (scontrol update): only its 2 missing GPUs are
+    down, the highest local indices, with one warning line; the rest of the file is unchanged."""
+    d, t = RACKS - 1, TRAYS - 2
+    host = _host(d, t)
+    assert [d, t] not in HAND["unavailable_trays"]
+    slurm.scontrol("update", f"nodename={host}", "gres=gpu:2")
+    try:
+        assert "Gres=gpu:2" in slurm.scontrol("show", "node", host)
+        doc = _read(slurm, tmp_path, monkeypatch, "--allow-not-responding")
+        cap = capsys.readouterr()
+        base = (d * TRAYS + t) * GPUS
+        assert doc["unavailable_gpus"] == [base + 2, base + 3] and doc["unavailable_trays"] == HAND["unavailable_trays"]
+        assert "2 GPUs down on 1 other hosts, 1022 GPUs usable" in cap.out
+        assert cap.err.count("placement: warning: unusable:") == 1 and f"host {host}: GPU 2, 3 of 4 unusable" in cap.err
+    finally:
+        slurm.scontrol("update", f"nodename={host}", f"gres=gpu:{GPUS}")
