@@ -512,6 +512,25 @@ def test_kubernetes_gfd_labels_without_the_device_plugin_have_no_usable_gpus():
     assert "8 GPUs usable" in doc["description"]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(0, 4)), min_size=1, max_size=8))
+def test_kubernetes_allocatable_matches_a_per_gpu_reference(allocatable):
+    """Per node of 4 GPUs with ``a`` allocatable (None: no nvidia.com/gpu there): a tray down when
+    a is None or 0, else exactly its GPUs a..3 down; usable GPUs are the sum of the a."""
+    nodes = [_k8s_node(f"gb{i + 1:03d}", f"{UUID_A}.1") for i in range(len(allocatable))]
+    for node, a in zip(nodes, allocatable):
+        if a is None:
+            del node["status"]["allocatable"]["nvidia.com/gpu"]
+        else:
+            node["status"]["allocatable"]["nvidia.com/gpu"] = str(a)
+    found = parse_kubernetes([("k.json", _k8s(nodes))])
+    doc = cluster_document(found, name="k")
+    assert doc["unavailable_trays"] == [[0, t] for t, a in enumerate(allocatable) if not a]
+    assert doc["unavailable_gpus"] == [t * 4 + g for t, a in enumerate(allocatable) if a for g in range(a, 4)]
+    assert f", {sum(a or 0 for a in allocatable)} GPUs usable" in doc["description"]
+    assert len(found.warnings()) == sum(1 for a in allocatable if a != 4)
+
+
 def test_kubernetes_gpu_node_without_a_clique_label_is_an_error_or_left_out(tmp_path, capsys):
     nodes = [_k8s_node(f"node-{i:02d}", None if i in (1, 3) else f"{UUID_A}.1") for i in range(4)]
     path = _write(tmp_path, "k.json", _k8s(nodes))
