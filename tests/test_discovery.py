@@ -401,7 +401,7 @@ def test_nvidia_smi_one_unusable_gpu_is_left_out_with_one_warning(tmp_path, caps
     assert "host gb002: GPU 1 of 4 unusable" in err[0] and UUID_ZERO + ".0" not in err[0], err
     assert doc["hosts"] == [["gb001", "gb002"], ["gb003", "gb004"]] and doc["domain_names"] == [f"{UUID_A}.1", f"{UUID_A}.2"]
     assert doc["unavailable_trays"] == [] and doc["unavailable_gpus"] == [5]  # domain 0, tray 1, GPU 1
-    assert "0 hosts down, 1 GPUs down on 1 other hosts, 15 GPUs usable" in doc["description"]
+    assert "0 hosts down, 1 more GPUs down on 1 hosts, 15 GPUs usable" in doc["description"]
 
 
 def test_nvidia_smi_unhealthy_on_every_gpu_is_a_down_host_in_its_domain(tmp_path, capsys):
@@ -586,7 +586,7 @@ def test_two_of_four_gpus_down_only_those_on_every_source(tmp_path, capsys, sour
     assert [h for hosts in doc["hosts"] for h in hosts] == ["gb001", "gb002", "gb003", "gb004"]
     # gb002 is tray 1 of domain 0: its GPUs are 4..7
     assert doc["gpus_per_tray"] == 4 and doc["unavailable_trays"] == [] and doc["unavailable_gpus"] == down
-    assert "0 hosts down, 2 GPUs down on 1 other hosts, 14 GPUs usable" in doc["description"]
+    assert "0 hosts down, 2 more GPUs down on 1 hosts, 14 GPUs usable" in doc["description"]
     local = ", ".join(str(g - 4) for g in down)
     assert len(err) == 1 and err[0].startswith("placement: warning: unusable: ") and f"host gb002: GPU {local} of 4 unusable" in err[0], err
     # the plan's reader takes the file: 14 GPUs, gb002 with 2
@@ -867,7 +867,7 @@ def test_fixture_kubectl_get_nodes(tmp_path, capsys):
     assert code == 0 and doc["hosts"] == [["gb001", "gb002", "gb003", "gb005"]], err
     # gb002: 2 of 4 allocatable -> its GPUs 2, 3 (tray 1: 6, 7); gb003: no device plugin -> tray down
     assert doc["unavailable_gpus"] == [6, 7] and doc["unavailable_trays"] == [[0, 2]]
-    assert "1 hosts down, 2 GPUs down on 1 other hosts, 10 GPUs usable, 1 hosts left out" in doc["description"]
+    assert "1 hosts down, 2 more GPUs down on 1 hosts, 10 GPUs usable, 1 hosts left out" in doc["description"]
     assert len(err) == 3 and "node gb004" in err[0], err
     assert "host gb002: GPU 2, 3 of 4 unusable: 2 of 4 GPUs allocatable" in err[1], err
     assert "host gb003: no usable GPU, tray down" in err[2] and "device plugin not running" in err[2], err

@@ -278,7 +278,7 @@ def test_a_node_with_fewer_gpus_keeps_them(slurm, tmp_path, monkeypatch, capsys)
         cap = capsys.readouterr()
         base = (d * TRAYS + t) * GPUS
         assert doc["unavailable_gpus"] == [base + 2, base + 3] and doc["unavailable_trays"] == HAND["unavailable_trays"]
-        assert "2 GPUs down on 1 other hosts, 1022 GPUs usable" in cap.out
+        assert "2 more GPUs down on 1 hosts, 1022 GPUs usable" in cap.out
         assert cap.err.count("placement: warning: unusable:") == 1 and f"host {host}: GPU 2, 3 of 4 unusable" in cap.err
     finally:
         slurm.scontrol("update", f"nodename={host}", f"gres=gpu:{GPUS}")

@@ -219,7 +219,7 @@ def cluster_document(
         "description": (
             f"read by placement cluster from {found.source}: {n_domains} NVLink domains, {n_hosts} hosts, "
             f"{gpt} GPUs per host, {len(down)} hosts down, "
-            + (f"{len(unavailable_gpus)} GPUs down on {len(part)} other hosts, " if part else "")
+            + (f"{len(unavailable_gpus)} more GPUs down on {len(part)} hosts, " if part else "")
             + f"{free} GPUs usable"
             + (f", {len(found.left_out)} hosts left out (domain not known yet)" if found.left_out else "")
         ),
