@@ -356,10 +356,10 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"{flag}: expected a positive number, found {value}")
     import warnings
 
-    from placement.sources.discovery import UnreadyHostWarning
+    from placement.sources.discovery import DiscoveryWarning
 
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UnreadyHostWarning)
+        warnings.simplefilter("always", DiscoveryWarning)
         if args.source == "slurm":
             doc = cluster_from_slurm(args.inputs, name=name, gpus_per_node=args.gpus_per_node,
                                      allow_not_responding=args.allow_not_responding, skip_unready=args.skip_unready, **links)
@@ -368,8 +368,8 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
                                           skip_unready=args.skip_unready, **links)
         else:
             doc = cluster_from_nvidia_smi(args.inputs, name=name, skip_unready=args.skip_unready, **links)
-    for w in caught:  # one line per host left out
-        if issubclass(w.category, UnreadyHostWarning):
+    for w in caught:  # one line per host left out or with unusable GPUs
+        if issubclass(w.category, DiscoveryWarning):
             print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)

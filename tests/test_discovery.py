@@ -222,7 +222,9 @@ def test_kubernetes_cliques_and_unusable_nodes():
     # cliques sorted by (cluster UUID, clique id): UUID_B's first
     assert doc["domain_names"] == [f"{UUID_B}.7", f"{UUID_A}.1"]
     assert doc["hosts"][1][3] == "node-03" and doc["hosts"][0][0] == "node-18"
-    assert doc["unavailable_trays"] == [[0, 2], [0, 4], [0, 5], [1, 3]]  # node-21's taint is tolerated
+    assert doc["unavailable_trays"] == [[0, 2], [0, 4], [1, 3]]  # node-21's taint is tolerated
+    # node-23 (domain 0, tray 5) has 3 of 4 GPUs allocatable: only its last GPU, (0 * 18 + 5) * 4 + 3
+    assert doc["unavailable_gpus"] == [23]
 
 
 @pytest.mark.parametrize(
@@ -267,8 +269,9 @@ def test_nvidia_smi_fabric_cliques(tmp_path, capsys):
     doc = json.loads((tmp_path / "c.json").read_text())
     assert doc["domain_names"] == [f"{UUID_A}.1", f"{UUID_A}.2"]
     assert doc["hosts"] == [["gb004", "gb005", "gb006"], ["gb001", "gb002", "gb003"]]
-    # gb005's second GPU: fabric still in progress; one unusable GPU takes the tray (Discovered.tray_down)
-    assert doc["unavailable_gpus"] == [] and doc["unavailable_trays"] == [[0, 1]]
+    # gb005's second GPU: fabric still in progress; only that GPU is down (Discovered.unusable_at):
+    # domain 0, tray 1, GPU 1 -> (0 * 3 + 1) * 4 + 1
+    assert doc["unavailable_gpus"] == [5] and doc["unavailable_trays"] == []
     # the same as one pdsh output with "host: " prefixes
     pdsh = "".join(f"gb{i + 1:03d}: " + line + "\n" for i in range(6) for line in (tmp_path / f"gb{i + 1:03d}.txt").read_text().splitlines())
     assert main(["cluster", "--from", "nvidia-smi", _write(tmp_path, "all.txt", pdsh), "-o", str(tmp_path / "d.json")]) == 0
@@ -388,23 +391,28 @@ def test_nvidia_smi_every_host_unready_leaves_nothing(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("fault", [IN_PROGRESS, INSUFFICIENT, UNHEALTHY], ids=["in-progress", "insufficient", "unhealthy"])
-def test_nvidia_smi_one_unusable_gpu_downs_its_tray_not_the_cluster_file(tmp_path, capsys, fault):
-    """One GPU of gb002 not usable; its other GPUs say its domain: the file is written, the tray down.
-    (Before: In Progress exited 2; Insufficient Resources read as a second clique; Unhealthy usable.)"""
+def test_nvidia_smi_one_unusable_gpu_is_left_out_with_one_warning(tmp_path, capsys, fault):
+    """One GPU of gb002 not usable; its other GPUs say its domain: the file is written, that GPU
+    down, one warning line naming it.  (Before: In Progress exited 2; Insufficient Resources read as
+    a second clique; Unhealthy usable.)"""
     hosts = {"gb001": (OK,) * 4, "gb002": (OK, fault, OK, OK), "gb003": (OK,) * 4, "gb004": (OK,) * 4}
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", _smi_cluster(tmp_path, hosts))
-    assert code == 0 and err == [], err
+    assert code == 0 and len(err) == 1 and err[0].startswith("placement: warning: unusable: "), err
+    assert "host gb002: GPU 1 of 4 unusable" in err[0] and UUID_ZERO + ".0" not in err[0], err
     assert doc["hosts"] == [["gb001", "gb002"], ["gb003", "gb004"]] and doc["domain_names"] == [f"{UUID_A}.1", f"{UUID_A}.2"]
-    assert doc["unavailable_trays"] == [[0, 1]] and doc["unavailable_gpus"] == []
-    assert "1 hosts down, 12 GPUs usable" in doc["description"]
+    assert doc["unavailable_trays"] == [] and doc["unavailable_gpus"] == [5]  # domain 0, tray 1, GPU 1
+    assert "0 hosts down, 1 more GPUs down on 1 hosts, 15 GPUs usable" in doc["description"]
 
 
 def test_nvidia_smi_unhealthy_on_every_gpu_is_a_down_host_in_its_domain(tmp_path, capsys):
     hosts = {"gb001": (OK,) * 4, "gb002": (UNHEALTHY,) * 4}
     code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", _smi_cluster(tmp_path, hosts))
     assert code == 0 and doc["hosts"] == [["gb001", "gb002"]] and doc["unavailable_trays"] == [[0, 1]]
+    assert doc["unavailable_gpus"] == [] and len(err) == 1 and "host gb002: no usable GPU, tray down" in err[0], err
     texts = [(h, h, (tmp_path / f"{h}.txt").read_text()) for h in hosts]
-    assert parse_nvidia_smi(texts).faulty == {"gb002": "4 of 4 GPUs unusable; GPU 0: Fabric Health Summary Unhealthy"}
+    found = parse_nvidia_smi(texts)
+    assert found.unusable == {"gb002": (0, 1, 2, 3)}
+    assert found.faulty == {"gb002": "; ".join(f"GPU {k}: Fabric Health Summary Unhealthy" for k in range(4))}
 
 
 def test_nvidia_smi_health_fields_r570_without_summary():
@@ -414,10 +422,35 @@ def test_nvidia_smi_health_fields_r570_without_summary():
     i = [n for n, line in enumerate(lines) if "Route Unhealthy" in line][2]
     lines[i] = lines[i].replace("False", "True")
     found = parse_nvidia_smi([("gb001", "gb001.txt", "".join(lines))])
-    assert found.faulty == {"gb001": "1 of 4 GPUs unusable; GPU 2: Fabric Health Route Unhealthy True"}
+    assert found.faulty == {"gb001": "GPU 2: Fabric Health Route Unhealthy True"} and found.unusable == {"gb001": (2,)}
     # Limited Capacity (degraded bandwidth alone) stays usable
     healthy = parse_nvidia_smi([("gb001", "gb001.txt", text.replace("Healthy\n", "Limited Capacity\n", 1))])
     assert healthy.faulty == {}
+
+
+@pytest.mark.parametrize("lines,why", [
+    (["    GPU Recovery Action                   : Node Reboot"], "GPU Recovery Action Node Reboot"),
+    (["    GPU Recovery Action                   : Drain and Reset"], "GPU Recovery Action Drain and Reset"),
+    # R565 and older: the GPU Reset Status block (R570 prints "Requested functionality has been deprecated")
+    (["    GPU Reset Status", "        Reset Required                    : Yes",
+      "        Drain and Reset Recommended       : No"], "GPU Reset Status Reset Required Yes"),
+    (["    GPU Reset Status", "        Reset Required                    : No",
+      "        Drain and Reset Recommended       : Yes"], "GPU Reset Status Drain and Reset Recommended Yes"),
+    (["    GPU Reset Status", "        Reset Required                    : Requested functionality has been deprecated",
+      "    GPU Recovery Action                   : None"], None),
+    (["    GPU Recovery Action                   : N/A"], None),
+], ids=["reboot", "drain-and-reset", "reset-required", "drain-recommended", "r570-none", "na"])
+def test_nvidia_smi_gpu_recovery_action(lines, why):
+    """A registered, fabric-healthy GPU the driver asks to recover first (nvidia-smi -q's per-GPU
+    ``GPU Recovery Action``, or the older ``GPU Reset Status``) is unusable; ``None`` is not."""
+    text = _smi_r580(UUID_A, 1, (OK,) * 4).splitlines(keepends=True)
+    at = [n for n, line in enumerate(text) if "Product Name" in line][1]  # GPU 1
+    text[at + 1 : at + 1] = [line + "\n" for line in lines]
+    found = parse_nvidia_smi([("gb001", "gb001.txt", "".join(text))])
+    if why is None:
+        assert found.unusable == {} and found.faulty == {}
+    else:
+        assert found.unusable == {"gb001": (1,)} and found.faulty == {"gb001": f"GPU 1: {why}"}
 
 
 def test_nvidia_smi_state_na_is_no_fabric_and_bad_fields_exit_2(tmp_path, capsys):
@@ -436,8 +469,9 @@ _GPU_STATES = {"ok": OK, "in-progress": IN_PROGRESS, "insufficient": INSUFFICIEN
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.sampled_from(sorted(_GPU_STATES)), min_size=4, max_size=4), min_size=1, max_size=6))
 def test_nvidia_smi_matches_a_per_gpu_reference(states):
-    """Per host: left out when no GPU is registered (ok or unhealthy), else in its clique and down
-    when any GPU is not ok.  Checked against that rule written out per GPU."""
+    """Per host: left out when no GPU is registered (ok or unhealthy), else in its clique; its tray
+    down when no GPU is ok, else exactly its GPUs that are not ok down.  Checked against that rule
+    written out per GPU."""
     texts = [(f"gb{i + 1:03d}", f"gb{i + 1:03d}.txt", _smi_r580(UUID_A, 1 + i % 2, [_GPU_STATES[g] for g in host]))
              for i, host in enumerate(states)]
     found = parse_nvidia_smi(texts, skip_unready=True)
@@ -447,11 +481,15 @@ def test_nvidia_smi_matches_a_per_gpu_reference(states):
     assert {h for _, hosts in found.domains for h in hosts} == {h for h, _, _ in placed}
     for h, cid, host in placed:
         assert h in dict(found.domains)[f"{UUID_A}.{cid}"]
-        assert (h in found.faulty) == any(g != "ok" for g in host)
+        assert found.unusable.get(h, ()) == tuple(k for k, g in enumerate(host) if g != "ok")
     if placed:
         doc = cluster_document(found, name="f")
         down = {doc["hosts"][d][t] for d, t in doc["unavailable_trays"]}
-        assert down == {h for h, _, host in placed if any(g != "ok" for g in host)}
+        assert down == {h for h, _, host in placed if "ok" not in host}
+        trays = doc["trays_per_domain"]
+        gpus = {(doc["hosts"][g // 4 // trays][g // 4 % trays], g % 4) for g in doc["unavailable_gpus"]}
+        assert gpus == {(h, k) for h, _, host in placed if "ok" in host for k, g in enumerate(host) if g != "ok"}
+        assert len(found.warnings()) == sum(1 for _, _, host in placed if host != ["ok"] * 4)
 
 
 def _k8s_bare(name: str, labels: dict, capacity: dict, allocatable: dict) -> dict:
@@ -472,6 +510,25 @@ def test_kubernetes_gfd_labels_without_the_device_plugin_have_no_usable_gpus():
     doc = cluster_document(found, name="k")
     assert doc["hosts"] == [["node-00", "node-01", "node-02"]] and doc["unavailable_trays"] == [[0, 1]]
     assert "8 GPUs usable" in doc["description"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(0, 4)), min_size=1, max_size=8))
+def test_kubernetes_allocatable_matches_a_per_gpu_reference(allocatable):
+    """Per node of 4 GPUs with ``a`` allocatable (None: no nvidia.com/gpu there): a tray down when
+    a is None or 0, else exactly its GPUs a..3 down; usable GPUs are the sum of the a."""
+    nodes = [_k8s_node(f"gb{i + 1:03d}", f"{UUID_A}.1") for i in range(len(allocatable))]
+    for node, a in zip(nodes, allocatable):
+        if a is None:
+            del node["status"]["allocatable"]["nvidia.com/gpu"]
+        else:
+            node["status"]["allocatable"]["nvidia.com/gpu"] = str(a)
+    found = parse_kubernetes([("k.json", _k8s(nodes))])
+    doc = cluster_document(found, name="k")
+    assert doc["unavailable_trays"] == [[0, t] for t, a in enumerate(allocatable) if not a]
+    assert doc["unavailable_gpus"] == [t * 4 + g for t, a in enumerate(allocatable) if a for g in range(a, 4)]
+    assert f", {sum(a or 0 for a in allocatable)} GPUs usable" in doc["description"]
+    assert len(found.warnings()) == sum(1 for a in allocatable if a != 4)
 
 
 def test_kubernetes_gpu_node_without_a_clique_label_is_an_error_or_left_out(tmp_path, capsys):
@@ -503,9 +560,11 @@ def test_slurm_node_in_no_block_is_left_out_with_the_flag(tmp_path, capsys):
     assert len(doc["hosts"][2]) == 15 and "2 hosts left out" in doc["description"]
 
 
-# One rule for a host with 2 of its 4 GPUs usable, whatever the source: its whole tray is down
-# (Discovered.tray_down says why: only nvidia-smi can say which GPUs, and launchers start the same
-# number of ranks on every host).  Each case: the same 4 hosts, host 2 with 2 of 4 GPUs usable.
+# One rule for a host with 2 of its 4 GPUs usable, whatever the source: only its 2 unusable GPUs
+# are down, the host keeps the other 2 (Discovered.unusable_at says why: the launchers run a host
+# with fewer ranks, and the schedulers still hand out its free GPUs).  Kubernetes and Slurm give a
+# count: the highest local indices are taken; nvidia-smi names the GPUs.  Each case: the same 4
+# hosts, host 2 with 2 of 4 GPUs usable.
 
 
 def _two_of_four(tmp_path, source: str) -> list[str]:
@@ -520,13 +579,72 @@ def _two_of_four(tmp_path, source: str) -> list[str]:
     return [_write(tmp_path, f"{h}.txt", _smi_r580(UUID_A, 1, g)) for h, g in gpus.items()]
 
 
-@pytest.mark.parametrize("source", ["slurm", "kubernetes", "nvidia-smi"])
-def test_two_of_four_gpus_take_the_whole_tray_on_every_source(tmp_path, capsys, source):
+@pytest.mark.parametrize("source,down", [("slurm", [6, 7]), ("kubernetes", [6, 7]), ("nvidia-smi", [5, 7])])
+def test_two_of_four_gpus_down_only_those_on_every_source(tmp_path, capsys, source, down):
     code, doc, err = _cluster(tmp_path, capsys, source, _two_of_four(tmp_path, source))
     assert code == 0, err
     assert [h for hosts in doc["hosts"] for h in hosts] == ["gb001", "gb002", "gb003", "gb004"]
-    assert doc["gpus_per_tray"] == 4 and doc["unavailable_trays"] == [[0, 1]] and doc["unavailable_gpus"] == []
-    assert "1 hosts down, 12 GPUs usable" in doc["description"]
+    # gb002 is tray 1 of domain 0: its GPUs are 4..7
+    assert doc["gpus_per_tray"] == 4 and doc["unavailable_trays"] == [] and doc["unavailable_gpus"] == down
+    assert "0 hosts down, 2 more GPUs down on 1 hosts, 14 GPUs usable" in doc["description"]
+    local = ", ".join(str(g - 4) for g in down)
+    assert len(err) == 1 and err[0].startswith("placement: warning: unusable: ") and f"host gb002: GPU {local} of 4 unusable" in err[0], err
+    # the plan's reader takes the file: 14 GPUs, gb002 with 2
+    cl = read_cluster(tmp_path / "c.json").cluster
+    assert cl.available_gpus.tolist() == sorted(set(range(16)) - set(down))
+
+
+def test_zero_allocatable_or_gres_downs_the_tray_with_a_warning(tmp_path, capsys):
+    """A host with none of its GPUs usable is down as a tray (not 4 unavailable GPUs): allocatable 0
+    on Kubernetes, Gres=gpu:0 on Slurm."""
+    k8s = _k8s([_k8s_node(f"gb{i:03d}", f"{UUID_A}.1", allocatable=0 if i == 3 else None) for i in range(1, 5)])
+    code, doc, err = _cluster(tmp_path, capsys, "kubernetes", [_write(tmp_path, "k.json", k8s)])
+    assert code == 0 and doc["unavailable_trays"] == [[0, 2]] and doc["unavailable_gpus"] == []
+    assert len(err) == 1 and "host gb003: no usable GPU, tray down: 0 of 4 GPUs allocatable" in err[0], err
+    topo = _write(tmp_path, "topo.txt", "BlockName=b1 BlockIndex=0 Nodes=gb[001-004] BlockSize=4\n")
+    nodes = _write(tmp_path, "nodes.txt", _nodes(4, states={}, gres={"gb003": "(null)"}))
+    code, doc, err = _cluster(tmp_path, capsys, "slurm", [topo, nodes])
+    assert code == 0 and doc["unavailable_trays"] == [[0, 2]] and doc["unavailable_gpus"] == []
+    assert len(err) == 1 and "host gb003: no usable GPU, tray down" in err[0], err
+
+
+def test_api_reports_unusable_gpus_as_one_warning_per_host(tmp_path):
+    from placement.sources.discovery import DiscoveryWarning, UnreadyHostWarning, UnusableGpuWarning
+
+    files = _smi_cluster(tmp_path, {"gb001": (OK, IN_PROGRESS, OK, UNHEALTHY), "gb002": (OK,) * 4,
+                                    "gb003": (INSUFFICIENT, OK, OK, OK), "gb004": (IN_PROGRESS,) * 4})
+    with pytest.warns(DiscoveryWarning) as caught:
+        doc = placement.cluster_from_nvidia_smi(files, skip_unready=True)
+    kinds = [(w.category, str(w.message).split("host ")[1].split(":")[0]) for w in caught]
+    assert kinds == [(UnreadyHostWarning, "gb004"), (UnusableGpuWarning, "gb001"), (UnusableGpuWarning, "gb003")]
+    assert "GPU 1, 3 of 4 unusable: GPU 1: Fabric State In Progress" in str(caught[1].message)
+    assert "Health Summary Unhealthy" in str(caught[1].message)
+    assert doc["unavailable_gpus"] == [1, 3, 8] and doc["hosts"] == [["gb001", "gb002"], ["gb003"]]
+
+
+def test_a_host_with_gpus_down_runs_fewer_ranks_on_its_usable_gpus(tiny, tmp_path, capsys):
+    """The rule's premise, end to end: nvidia-smi of tiny's 5 domains x 2 trays x 2 GPUs with gb003's
+    GPU 1 and gb005's GPU 0 unhealthy and gb008 with no usable GPU leaves exactly 16 usable GPUs for
+    16 ranks; the solve uses them all, and the Slurm launch files run one rank on gb003 (GPU 0) and
+    one on gb005 (GPU 1)."""
+    bad = {"gb003": (OK, UNHEALTHY), "gb005": (UNHEALTHY, OK), "gb008": (UNHEALTHY, UNHEALTHY)}
+    files = [_write(tmp_path, f"gb{h:03d}.txt", _smi_r580(UUID_A, 1 + (h - 1) // 2, bad.get(f"gb{h:03d}", (OK, OK))))
+             for h in range(1, 11)]
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
+    assert code == 0 and doc["unavailable_trays"] == [[3, 1]] and doc["unavailable_gpus"] == [5, 8], err
+    assert len(err) == 3 and "16 GPUs usable" in doc["description"]
+    cl = read_cluster(tmp_path / "c.json").cluster
+    inst = dataclasses.replace(tiny, cluster=cl)
+    write_instance(inst, tmp_path / "i.json")
+    out = tmp_path / "p.json"
+    assert main(["solve", str(tmp_path / "i.json"), "--solver", "default", "-o", str(out)]) == 0
+    assert main(["export", str(out), "--format", "slurm", "--instance", str(tmp_path / "i.json"),
+                 "-o", str(tmp_path / "job.hosts")]) == 0
+    capsys.readouterr()
+    hosts = (tmp_path / "job.hosts").read_text().split()
+    assert len(hosts) == 16 and hosts.count("gb003") == 1 and hosts.count("gb005") == 1 and "gb008" not in hosts
+    gpus = dict(line.split() for line in (tmp_path / "job.gpus").read_text().splitlines() if line.strip())
+    assert gpus["gb003"] == "0" and gpus["gb005"] == "1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,3 +825,49 @@ def test_fuzz_nvidia_smi(cut, at, junk):
         cluster_document(parse_nvidia_smi([("gb001", "gb001.txt", t[:i] + junk + t[i:])]), name="f")
     except InvalidInputError:
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures in the drivers' printed layout (tests/data/discovery/README.md gives the source of each
+# shape): nvidia-smi -q of driver R580 (colon at column 55, Partition Assigned, GPU Recovery
+# Action) and kubectl get nodes -o json with GPU feature discovery's labels.
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "data" / "discovery"
+FIXTURE_UUID = "6a130f54-faaa-4b8f-847f-be44ab70f917"
+
+
+def test_fixture_nvidia_smi_r580(tmp_path, capsys):
+    files = [str(FIXTURES / f"gb00{i}.nvidia-smi-q.txt") for i in range(1, 5)]
+    found = parse_nvidia_smi([(f"gb00{i}", f, FIXTURES.joinpath(f).read_text()) for i, f in enumerate(files, 1)], skip_unready=True)
+    assert found.unusable == {"gb002": (2, 3), "gb004": (1,)}
+    assert found.faulty["gb002"].startswith("GPU 2: Fabric State In Progress, Status N/A, CliqueId N/A, ClusterUUID N/A")
+    assert found.faulty["gb002"].endswith("GPU 3: GPU Recovery Action Reset")
+    # gb003: every GPU Insufficient Resources with clique 0 and a zero UUID: no domain of its own
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files)
+    assert code == 2 and doc is None and len(err) == 1, err
+    assert "host gb003" in err[0] and "registration failed" in err[0] and "--skip-unready" in err[0], err
+    code, doc, err = _cluster(tmp_path, capsys, "nvidia-smi", files, "--skip-unready")
+    assert code == 0 and doc["domain_names"] == [f"{FIXTURE_UUID}.32766"], err
+    assert doc["hosts"] == [["gb001", "gb002", "gb004"]] and "00000000-0000" not in json.dumps(doc)
+    # tray 1 (gb002) GPUs 2, 3 -> 6, 7; tray 2 (gb004) GPU 1 -> 9
+    assert doc["unavailable_gpus"] == [6, 7, 9] and doc["unavailable_trays"] == []
+    assert [line.split(": ")[2] for line in err] == ["left out", "unusable", "unusable"], err
+    assert "host gb003" in err[0] and "host gb002: GPU 2, 3 of 4 unusable" in err[1] and "host gb004: GPU 1 of 4" in err[2]
+    # the same bytes again: deterministic
+    first = (tmp_path / "c.json").read_bytes()
+    assert _cluster(tmp_path, capsys, "nvidia-smi", files[::-1], "--skip-unready")[0] == 0
+    assert (tmp_path / "c.json").read_bytes() == first
+
+
+def test_fixture_kubectl_get_nodes(tmp_path, capsys):
+    path = str(FIXTURES / "kubectl-get-nodes.json")
+    code, doc, err = _cluster(tmp_path, capsys, "kubernetes", [path])
+    assert code == 2 and len(err) == 1 and "node gb004" in err[0] and "--skip-unready" in err[0], err
+    code, doc, err = _cluster(tmp_path, capsys, "kubernetes", [path], "--skip-unready")
+    assert code == 0 and doc["hosts"] == [["gb001", "gb002", "gb003", "gb005"]], err
+    # gb002: 2 of 4 allocatable -> its GPUs 2, 3 (tray 1: 6, 7); gb003: no device plugin -> tray down
+    assert doc["unavailable_gpus"] == [6, 7] and doc["unavailable_trays"] == [[0, 2]]
+    assert "1 hosts down, 2 more GPUs down on 1 hosts, 10 GPUs usable, 1 hosts left out" in doc["description"]
+    assert len(err) == 3 and "node gb004" in err[0], err
+    assert "host gb002: GPU 2, 3 of 4 unusable: 2 of 4 GPUs allocatable" in err[1], err
+    assert "host gb003: no usable GPU, tray down" in err[2] and "device plugin not running" in err[2], err

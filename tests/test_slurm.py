@@ -237,3 +237,48 @@ def test_solve_for_an_allocation_of_the_slurm_cluster(slurm, tmp_path, monkeypat
     assert "gb999" in capsys.readouterr().err
     down = _host(*HAND["unavailable_trays"][0])  # allocated but down in Slurm: 12 GPUs for 16 ranks
     assert main(["solve", str(tmp_path / "tiny.json"), "--solver", "default", "--allocation", f"gb[001-002],gb040,{down}"]) == 3
+
+
+def test_a_maintenance_reservation_prints_maintenance_and_downs_the_tray(slurm, tmp_path, monkeypatch, capsys):
+    """What this Slurm prints for a node in a maintenance reservation: scontrol ``MAINTENANCE`` (a
+    state flag), sinfo's short state ``maint``; the tray is down."""
+    host = _host(RACKS - 1, TRAYS - 1)  # usable in the hand-written cluster
+    assert [RACKS - 1, TRAYS - 1] not in HAND["unavailable_trays"]
+    slurm.scontrol("create", "reservation", "ReservationName=placement_maint", "StartTime=now", "Duration=60",
+                   f"Nodes={host}", f"Users={getpass.getuser()}", "Flags=maint,ignore_jobs")
+    try:
+        # the controller sets the flag on its next pass over the reservations (about 8 s here)
+        deadline = time.monotonic() + 150
+        while True:
+            state = next(w for w in slurm.scontrol("show", "node", host).split() if w.startswith("State="))
+            if "MAINT" in state or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert "+MAINTENANCE" in state and "MAINT+" not in state.replace("MAINTENANCE", ""), state
+        sinfo = shutil.which("sinfo")
+        if sinfo is not None:
+            run = subprocess.run([sinfo, "-h", "-n", host, "-o", "%t"], env=slurm.env, capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0 and run.stdout.strip().rstrip("*~#!%$@^-") == "maint", run.stdout + run.stderr
+        doc = _read(slurm, tmp_path, monkeypatch, "--allow-not-responding")
+        assert [RACKS - 1, TRAYS - 1] in doc["unavailable_trays"] and "15 hosts down" in capsys.readouterr().out
+    finally:
+        slurm.scontrol("delete", "reservation", "placement_maint")
+
+
+def test_a_node_with_fewer_gpus_keeps_them(slurm, tmp_path, monkeypatch, capsys):
+    """Gres=gpu:2 on one node of the live controller (scontrol update): only its 2 missing GPUs are
+    down, the highest local indices, with one warning line; the rest of the file is unchanged."""
+    d, t = RACKS - 1, TRAYS - 2
+    host = _host(d, t)
+    assert [d, t] not in HAND["unavailable_trays"]
+    slurm.scontrol("update", f"nodename={host}", "gres=gpu:2")
+    try:
+        assert "Gres=gpu:2" in slurm.scontrol("show", "node", host)
+        doc = _read(slurm, tmp_path, monkeypatch, "--allow-not-responding")
+        cap = capsys.readouterr()
+        base = (d * TRAYS + t) * GPUS
+        assert doc["unavailable_gpus"] == [base + 2, base + 3] and doc["unavailable_trays"] == HAND["unavailable_trays"]
+        assert "2 more GPUs down on 1 hosts, 1022 GPUs usable" in cap.out
+        assert cap.err.count("placement: warning: unusable:") == 1 and f"host {host}: GPU 2, 3 of 4 unusable" in cap.err
+    finally:
+        slurm.scontrol("update", f"nodename={host}", f"gres=gpu:{GPUS}")

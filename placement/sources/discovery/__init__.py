@@ -10,6 +10,8 @@ rules: docs/formats.md, "Cluster files from the scheduler".
 A host whose NVLink domain is not known yet (fabric registration not finished, no clique label, in
 no block) is an error naming it; with ``skip_unready=True`` (``placement cluster --skip-unready``)
 it is left out of the file and each such host is reported by one :class:`UnreadyHostWarning`.
+A host in its domain with some GPUs unusable keeps the others (``unavailable_gpus``), with one
+:class:`UnusableGpuWarning` naming the GPUs and why; both are :class:`DiscoveryWarning`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from placement.sources.discovery.common import (
     DEFAULT_NVLINK_GBPS,
     DEFAULT_SCALEOUT_GBPS,
     Discovered,
+    DiscoveryWarning,
     UnreadyHostWarning,
+    UnusableGpuWarning,
     cluster_document,
     natural_key,
     write_cluster,
@@ -38,7 +42,9 @@ from placement.core.model import InvalidInputError
 __all__ = [
     "SOURCES",
     "Discovered",
+    "DiscoveryWarning",
     "UnreadyHostWarning",
+    "UnusableGpuWarning",
     "cluster_from_slurm",
     "cluster_from_kubernetes",
     "cluster_from_nvidia_smi",
@@ -75,10 +81,14 @@ def _links(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _document(found: Discovered, name: str, links: dict[str, Any]) -> dict[str, Any]:
-    """The cluster document, after one :class:`UnreadyHostWarning` per host left out."""
+    """The cluster document, after one :class:`UnreadyHostWarning` per host left out and one
+    :class:`UnusableGpuWarning` per host with unusable GPUs the scheduler has not downed."""
+    doc = cluster_document(found, name=name, **_links(links))
     for host in sorted(found.left_out, key=natural_key):
         warnings.warn(f"left out: {found.left_out[host]}", UnreadyHostWarning, stacklevel=3)
-    return cluster_document(found, name=name, **_links(links))
+    for line in found.warnings():
+        warnings.warn(f"unusable: {line}", UnusableGpuWarning, stacklevel=3)
+    return doc
 
 
 def cluster_from_slurm(

@@ -14,7 +14,9 @@ from placement.core.model import InvalidInputError
 
 __all__ = [
     "Discovered",
+    "DiscoveryWarning",
     "UnreadyHostWarning",
+    "UnusableGpuWarning",
     "SKIP_UNREADY_FLAG",
     "settle_unready",
     "DEFAULT_NVLINK_GBPS",
@@ -39,9 +41,19 @@ def natural_key(name: str) -> tuple:
 SKIP_UNREADY_FLAG = "--skip-unready"
 
 
-class UnreadyHostWarning(UserWarning):
+class DiscoveryWarning(UserWarning):
+    """One line about one host that discovery leaves out or counts partly unusable
+    (``placement cluster`` prints each as ``placement: warning: ...``)."""
+
+
+class UnreadyHostWarning(DiscoveryWarning):
     """A host left out of the cluster file because its NVLink domain is not known yet (its fabric
     registration has not finished, no clique label, in no block); ``skip_unready=True`` only."""
+
+
+class UnusableGpuWarning(DiscoveryWarning):
+    """A host in its domain with some or all of its GPUs unusable (not registered in the fabric,
+    unhealthy, not allocatable, fewer than the other hosts): which ones and why."""
 
 
 def settle_unready(unready: dict[str, str], skip: bool) -> dict[str, str]:
@@ -64,13 +76,15 @@ class Discovered:
 
     ``domains``: NVLink domains in order, each ``(name, [host, ...])`` with its hosts in tray
     order.  ``gpus``: GPUs per host (what it has, usable or not).  ``down_hosts``: host -> reason
-    (the whole tray unusable).  ``faulty``: host -> why some of its GPUs are unusable (which ones,
-    when the source says).  ``left_out``: hosts in no domain because their domain is not known yet,
-    host -> why (see :func:`settle_unready`).  ``tray_slots``: trays per domain when the source
-    says (Slurm's BlockSize), else the largest domain's host count.
+    (the scheduler says the whole host is unusable: drained, not ready, ...).  ``unusable``: host
+    -> the local indices (0 .. ``gpus[host]`` - 1) of its GPUs that cannot run a rank, and
+    ``faulty``: host -> why, in one line (every host of ``unusable`` has a reason here).
+    ``left_out``: hosts in no domain because their domain is not known yet, host -> why (see
+    :func:`settle_unready`).  ``tray_slots``: trays per domain when the source says (Slurm's
+    BlockSize), else the largest domain's host count.
 
-    One rule for every source (:func:`cluster_document`): a host with a faulty GPU, or with fewer
-    GPUs than the most any host has, is down as a whole tray.
+    One rule for every source (:meth:`unusable_at`): only the unusable GPUs of a host are down;
+    its tray is down when the scheduler downs the host or when none of its GPUs is usable.
     """
 
     source: str
@@ -80,6 +94,7 @@ class Discovered:
     faulty: dict[str, str] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
     tray_slots: int | None = None
+    unusable: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def check(self) -> None:
         if not self.domains:
@@ -95,29 +110,67 @@ class Discovered:
                 seen[h] = name
                 if h not in self.gpus:
                     raise InvalidInputError(f"{self.source}: host {h} (domain {name!r}) has no GPU count")
+        for h, local in self.unusable.items():
+            if h not in self.faulty or any(not 0 <= g < self.gpus.get(h, 0) for g in local):
+                raise ValueError(f"Discovered.unusable[{h!r}] = {local}: not GPUs of the host with a reason in faulty")
 
-    def tray_down(self, gpus_per_tray: int) -> dict[str, str]:
-        """Host -> why its whole tray is unusable: down, a faulty GPU, or fewer GPUs than
-        ``gpus_per_tray``.
+    def unusable_at(self, gpus_per_tray: int) -> tuple[dict[str, str], dict[str, tuple[tuple[int, ...], str]]]:
+        """What is down, with ``gpus_per_tray`` GPUs per tray: ``(trays, gpus)``.
 
-        Why the whole tray and not only the missing GPUs: Kubernetes (allocatable
-        ``nvidia.com/gpu``) and Slurm (``Gres``) give a count, not which GPUs are gone, so a plan
-        could only guess them; Slurm itself drains a node whose GPUs are fewer than configured
-        (``gres/gpu count reported lower than configured``, ``src/common/gres.c``); and the
-        launchers start the same number of ranks on every host (``torchrun --nproc-per-node``,
-        ``srun --ntasks-per-node``, a pod per host asking for ``nvidia.com/gpu``), so a half tray
-        holds no share of the job.  nvidia-smi names the GPU, and follows the same rule so that the
-        three sources give the same file for the same cluster.
+        ``trays``: host -> why its whole tray is down (the scheduler downs the host, or none of its
+        GPUs is usable).  ``gpus``: host -> (local indices of its unusable GPUs, why) for a host
+        with some GPUs usable: those of ``unusable`` and, on a host with fewer GPUs than
+        ``gpus_per_tray``, the indices it lacks.
+
+        Why only the missing GPUs and not the whole tray: the plan and the launchers already run a
+        host with fewer ranks than GPUs (``placement/consumers/hostfile.py``: per-host
+        ``CUDA_VISIBLE_DEVICES``; ``placement/consumers/launch.py``: per-host ``--nproc-per-node``), and
+        Kubernetes and Slurm still place work on a host's free GPUs (allocatable ``nvidia.com/gpu``,
+        ``Gres``), so downing the tray would throw away GPUs the scheduler hands out.  Kubernetes
+        and Slurm give a count, not which GPUs: the unusable ones are taken as the highest local
+        indices, which is what a job sees (the scheduler shows a job its GPUs renumbered 0 .. k-1:
+        device plugin; Slurm with ``ConstrainDevices=yes``); within a tray the GPUs are alike to the
+        plan (one NVLink domain), so the choice moves no byte.  nvidia-smi names the GPU, and that
+        GPU is the one marked (the source to use on Slurm without ``ConstrainDevices``, where the
+        launcher's ``CUDA_VISIBLE_DEVICES`` addresses physical indices).
         """
-        out: dict[str, str] = {}
+        trays: dict[str, str] = {}
+        part: dict[str, tuple[tuple[int, ...], str]] = {}
         for _, hosts in self.domains:
             for h in hosts:
                 if h in self.down_hosts:
-                    out[h] = self.down_hosts[h]
-                elif h in self.faulty:
-                    out[h] = self.faulty[h]
-                elif self.gpus[h] < gpus_per_tray:
-                    out[h] = f"{self.gpus[h]} of {gpus_per_tray} GPUs"
+                    trays[h] = self.down_hosts[h]
+                    continue
+                bad = set(self.unusable.get(h, ())) | set(range(self.gpus[h], gpus_per_tray))
+                if not bad:
+                    continue
+                why = [self.faulty[h]] if h in self.unusable else []
+                if self.gpus[h] < gpus_per_tray:
+                    why.append(f"{self.gpus[h]} GPUs where other hosts have {gpus_per_tray}")
+                if len(bad) >= gpus_per_tray:
+                    trays[h] = "; ".join(why)
+                else:
+                    part[h] = (tuple(sorted(bad)), "; ".join(why))
+        return trays, part
+
+    def gpus_per_tray(self) -> int:
+        """The most GPUs any host in a domain has."""
+        return max(self.gpus[h] for _, hosts in self.domains for h in hosts)
+
+    def warnings(self) -> list[str]:
+        """One line per host with unusable GPUs that the scheduler has not downed, in tray order
+        (the lines :class:`UnusableGpuWarning` carries)."""
+        self.check()
+        gpt = self.gpus_per_tray()
+        trays, part = self.unusable_at(gpt)
+        out: list[str] = []
+        for _, hosts in self.domains:
+            for h in hosts:
+                if h in part:
+                    local, why = part[h]
+                    out.append(f"{self.source}: host {h}: GPU {', '.join(map(str, local))} of {gpt} unusable: {why}")
+                elif h in trays and h not in self.down_hosts:
+                    out.append(f"{self.source}: host {h}: no usable GPU, tray down: {trays[h]}")
         return out
 
 
@@ -132,13 +185,14 @@ def cluster_document(
 ) -> dict[str, Any]:
     """The cluster file (``placement plan --cluster``, ``placement solve --cluster``) of ``found``.
 
-    ``gpus_per_tray`` is the most GPUs any host has; a host with fewer, or with a faulty GPU, is
-    down as a whole tray (:meth:`Discovered.tray_down` says why).  Hosts in tray order per domain;
-    a domain with fewer hosts than the others (or than ``tray_slots``) leaves its last tray slots
-    empty.  ``unavailable_gpus`` stays empty: discovery downs trays, not single GPUs.
+    ``gpus_per_tray`` is the most GPUs any host has.  A host the scheduler downs, or with no usable
+    GPU, goes to ``unavailable_trays``; the unusable GPUs of a host with some usable go to
+    ``unavailable_gpus`` (:meth:`Discovered.unusable_at` says which and why).  Hosts in tray order
+    per domain; a domain with fewer hosts than the others (or than ``tray_slots``) leaves its last
+    tray slots empty.
     """
     found.check()
-    gpt = max(found.gpus[h] for _, hosts in found.domains for h in hosts)
+    gpt = found.gpus_per_tray()
     if gpt < 1:
         raise InvalidInputError(f"{found.source}: no host has a GPU")
     trays = max(len(hosts) for _, hosts in found.domains)
@@ -150,17 +204,23 @@ def cluster_document(
             )
         trays = found.tray_slots
     n_domains = len(found.domains)
-    down = found.tray_down(gpt)
+    down, part = found.unusable_at(gpt)
     unavailable_trays = [[d, t] for d, (_, hosts) in enumerate(found.domains) for t, h in enumerate(hosts) if h in down]
+    unavailable_gpus = [
+        (d * trays + t) * gpt + g
+        for d, (_, hosts) in enumerate(found.domains) for t, h in enumerate(hosts) if h in part for g in part[h][0]
+    ]
     n_hosts = sum(len(hosts) for _, hosts in found.domains)
-    free = gpt * (n_hosts - len(down))
+    free = gpt * (n_hosts - len(down)) - len(unavailable_gpus)
     doc: dict[str, Any] = {
         "schema_version": 1,
         "kind": "cluster",
         "name": name,
         "description": (
             f"read by placement cluster from {found.source}: {n_domains} NVLink domains, {n_hosts} hosts, "
-            f"{gpt} GPUs per host, {len(down)} hosts down, {free} GPUs usable"
+            f"{gpt} GPUs per host, {len(down)} hosts down, "
+            + (f"{len(unavailable_gpus)} more GPUs down on {len(part)} hosts, " if part else "")
+            + f"{free} GPUs usable"
             + (f", {len(found.left_out)} hosts left out (domain not known yet)" if found.left_out else "")
         ),
         "num_domains": n_domains,
@@ -169,7 +229,7 @@ def cluster_document(
         "nvlink_gbps": float(nvlink_gbps),
         "scaleout_gbps": float(scaleout_gbps),
         "gpu_hbm_gb": float(gpu_hbm_gb),
-        "unavailable_gpus": [],
+        "unavailable_gpus": unavailable_gpus,
         "unavailable_trays": unavailable_trays,
         "hosts": [list(hosts) for _, hosts in found.domains],
         "domain_names": [d for d, _ in found.domains],

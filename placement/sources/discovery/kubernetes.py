@@ -15,8 +15,9 @@ it withdrew unhealthy ones.
 A node is down (its whole tray) when ``spec.unschedulable`` is true, its ``Ready`` condition is not
 ``True``, it has a ``NoSchedule``/``NoExecute`` taint from Kubernetes' node lifecycle
 (``node.kubernetes.io/...``, ``node.cloudprovider.kubernetes.io/shutdown``) or one named in
-``down_taints``, or fewer GPUs allocatable than it has (the rule of
-:meth:`placement.sources.discovery.common.Discovered.tray_down`).  Other taints (e.g.
+``down_taints``, or no ``nvidia.com/gpu`` allocatable.  With ``k`` of its ``n`` GPUs allocatable only
+the other ``n - k`` are down, taken as its highest local indices (the rule of
+:meth:`placement.sources.discovery.common.Discovered.unusable_at`).  Other taints (e.g.
 ``nvidia.com/gpu:NoSchedule`` reserving GPU nodes for GPU pods) are the job's to tolerate.  Nodes
 without GPUs and without GFD labels are skipped; a GPU node without a clique label (or with an
 all-zero cluster UUID in it) has no known domain: an error naming it, or with ``skip_unready`` left
@@ -67,6 +68,7 @@ def parse_kubernetes(
     gpus: dict[str, int] = {}
     down: dict[str, str] = {}
     faulty: dict[str, str] = {}
+    unusable: dict[str, tuple[int, ...]] = {}
     unready: dict[str, str] = {}
     for label, text in texts:
         try:
@@ -114,8 +116,10 @@ def parse_kubernetes(
             cliques.setdefault((uuid, int(cid)), []).append(name)
             if allocatable is None:
                 faulty[name] = f"{n} GPUs but no nvidia.com/gpu in status.allocatable (device plugin not running?)"
+                unusable[name] = tuple(range(n))
             elif (usable := _count(f"{where}: status.allocatable nvidia.com/gpu", allocatable)) < n:
                 faulty[name] = f"{usable} of {n} GPUs allocatable"
+                unusable[name] = tuple(range(usable, n))
             why: list[str] = []
             if spec.get("unschedulable") is True:
                 why.append("unschedulable")
@@ -134,4 +138,5 @@ def parse_kubernetes(
     if not gpus and not left_out:
         raise InvalidInputError(f"kubernetes: no node with GPUs in {', '.join(label for label, _ in texts)}")
     domains = [(f"{uuid}.{cid}", sorted(hosts, key=natural_key)) for (uuid, cid), hosts in sorted(cliques.items())]
-    return Discovered("kubectl get nodes", domains, gpus, down_hosts=down, faulty=faulty, left_out=left_out)
+    return Discovered("kubectl get nodes", domains, gpus, down_hosts=down, faulty=faulty, left_out=left_out,
+                      unusable=unusable)

@@ -30,9 +30,14 @@ registered GPUs of one NVLink domain share ClusterUUID and CliqueId.  What drive
 
 Such a GPU is never read as a clique: it is unusable.  A registered GPU whose ``Health`` says
 ``Summary : Unhealthy`` (kubernetes-sigs/dra-driver-nvidia-gpu#626 shows one) or ``Route Unhealthy
-: True`` is unusable too.  A host with an unusable GPU is down as a whole tray (the rule of
-:meth:`placement.sources.discovery.common.Discovered.tray_down`).  A host none of whose GPUs is registered
-has no known domain: an error naming it, or with ``skip_unready`` left out with a warning.
+: True`` is unusable too, as is one the driver asks to recover first (``GPU Recovery Action``
+other than ``None``: ``Reset``, ``Node Reboot``, ``Drain P2P``, ``Drain and Reset``; or, on drivers
+before R570, ``GPU Reset Status`` ``Reset Required : Yes`` / ``Drain and Reset Recommended :
+Yes``).  An unusable GPU of a host whose other GPUs say its domain is left out on
+its own (``unavailable_gpus``, one warning line per host naming the GPUs; the rule of
+:meth:`placement.sources.discovery.common.Discovered.unusable_at`): it never stops the cluster file.  A
+host none of whose GPUs is registered has no known domain: an error naming it and
+``--skip-unready``, or with ``skip_unready`` left out with a warning.
 
 The output carries no host name: each input is ``HOST=PATH``, or a file named after its host
 (``gb001.txt`` -> ``gb001``), or one ``pdsh -w HOSTS nvidia-smi -q`` output whose lines carry a
@@ -54,38 +59,52 @@ _GPU = re.compile(r"^GPU [0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-F
 _FIELD = re.compile(r"^(\s*)([^:]+?)\s*:\s*(.*?)\s*$")
 
 
-def _gpu_sections(host: str, label: str, text: str) -> list[tuple[int, dict[str, str]]]:
-    """Per GPU: its line and its Fabric fields (``State``, ``Status``, ``CliqueId``,
-    ``ClusterUUID``, and ``Health/Summary``, ``Health/Route Unhealthy``, ...)."""
+def _gpu_sections(host: str, label: str, text: str) -> list[tuple[int, dict[str, str], dict[str, str]]]:
+    """Per GPU: its line, its Fabric fields (``State``, ``Status``, ``CliqueId``, ``ClusterUUID``,
+    ``Health/Summary``, ``Health/Route Unhealthy``, ...) and its other fields by path
+    (``GPU Recovery Action``, ``GPU Reset Status/Reset Required``, ...); the first of a repeated
+    path counts."""
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if _GPU.match(line)]
     if not starts:
         raise InvalidInputError(f"{label}: host {host}: no 'GPU <bus id>' section (not nvidia-smi -q output?)")
-    out: list[tuple[int, dict[str, str]]] = []
+    out: list[tuple[int, dict[str, str], dict[str, str]]] = []
     for k, s in enumerate(starts):
         end = starts[k + 1] if k + 1 < len(starts) else len(lines)
-        fabric: dict[str, str] = {}
-        indent: int | None = None
-        sub, sub_indent = "", 0  # the subsection (Health) a nested field is in
+        fields: dict[str, str] = {}
+        stack: list[tuple[int, str]] = []  # the subsections (Fabric, Health, ...) a line is in
         for line in lines[s + 1 : end]:
-            if indent is None:
-                if line.strip() == "Fabric":
-                    indent = len(line) - len(line.lstrip())
-                continue
             if not line.strip():
                 continue
             depth = len(line) - len(line.lstrip())
-            if depth <= indent:
-                break
-            if sub and depth <= sub_indent:
-                sub = ""
+            while stack and stack[-1][0] >= depth:
+                stack.pop()
             m = _FIELD.match(line)
             if m and m.group(3):
-                fabric.setdefault(f"{sub}/{m.group(2)}" if sub else m.group(2), m.group(3))
-            elif not m:
-                sub, sub_indent = line.strip(), depth
-        out.append((s + 1, fabric))
+                fields.setdefault("/".join([name for _, name in stack] + [m.group(2)]), m.group(3))
+            else:
+                stack.append((depth, m.group(2) if m else line.strip()))
+        fabric = {key[len("Fabric/"):]: v for key, v in fields.items() if key.startswith("Fabric/")}
+        out.append((s + 1, fabric, fields))
     return out
+
+
+# What nvidia-smi prints for a GPU the driver asks to recover (``GPU Recovery Action``: None,
+# Reset, Node Reboot, Drain P2P, Drain and Reset; R565 on) and, before R570 deprecated them, the
+# ``GPU Reset Status`` lines ``Reset Required`` / ``Drain and Reset Recommended`` (Yes/No).
+_NO_RECOVERY = ("None", "N/A", "Not Supported", "[Not Supported]")
+_RESET_FIELDS = ("GPU Reset Status/Reset Required", "GPU Reset Status/Drain and Reset Recommended")
+
+
+def _recovery(fields: dict[str, str]) -> str | None:
+    """Why the driver says the GPU needs recovering before it runs work, or None."""
+    action = fields.get("GPU Recovery Action", "None")
+    if action not in _NO_RECOVERY:
+        return f"GPU Recovery Action {action}"
+    for key in _RESET_FIELDS:
+        if fields.get(key) == "Yes":
+            return f"{key.replace('/', ' ')} Yes"
+    return None
 
 
 _UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
@@ -144,14 +163,16 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
     cliques: dict[tuple[str, int], list[str]] = {}
     gpus: dict[str, int] = {}
     faulty: dict[str, str] = {}
+    unusable: dict[str, tuple[int, ...]] = {}
     unready: dict[str, str] = {}
     for host, label, text in texts:
         if host in gpus or host in unready:
             raise InvalidInputError(f"{label}: host {host} given twice")
         keys: set[tuple[str, int]] = set()
         bad: list[str] = []
+        bad_local: list[int] = []
         sections = _gpu_sections(host, label, text)
-        for local, (line, fab) in enumerate(sections):
+        for local, (line, fab, fields) in enumerate(sections):
             where = f"{label}:{line}: host {host} GPU {local}"
             for key in ("State", "Status", "CliqueId", "ClusterUUID"):
                 if key not in fab:
@@ -164,11 +185,16 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
                 raise InvalidInputError(f"{where}: Fabric ClusterUUID {fab['ClusterUUID']!r} is not a UUID")
             if not _registered(fab):
                 bad.append(f"GPU {local}: {_why(fab)}")
+                bad_local.append(local)
                 continue
             keys.add((fab["ClusterUUID"].lower(), int(fab["CliqueId"])))
             if _unhealthy(fab):
                 health = "Summary Unhealthy" if fab.get("Health/Summary") == "Unhealthy" else "Route Unhealthy True"
                 bad.append(f"GPU {local}: Fabric Health {health}")
+                bad_local.append(local)
+            elif (recover := _recovery(fields)) is not None:
+                bad.append(f"GPU {local}: {recover}")
+                bad_local.append(local)
         if len(keys) > 1:
             raise InvalidInputError(f"{label}: host {host}: its GPUs are in {len(keys)} NVLink cliques {sorted(keys)}")
         if not keys:
@@ -177,9 +203,10 @@ def parse_nvidia_smi(texts: list[tuple[str, str, str]], *, skip_unready: bool = 
         gpus[host] = len(sections)
         cliques.setdefault(keys.pop(), []).append(host)
         if bad:
-            faulty[host] = f"{len(bad)} of {len(sections)} GPUs unusable; {bad[0]}"
+            faulty[host] = "; ".join(bad)
+            unusable[host] = tuple(bad_local)
     left_out = settle_unready(unready, skip_unready)
     if not gpus and not left_out:
         raise InvalidInputError("nvidia-smi: no host given")
     domains = [(f"{uuid}.{cid}", sorted(hosts, key=natural_key)) for (uuid, cid), hosts in sorted(cliques.items())]
-    return Discovered("nvidia-smi -q", domains, gpus, faulty=faulty, left_out=left_out)
+    return Discovered("nvidia-smi -q", domains, gpus, faulty=faulty, left_out=left_out, unusable=unusable)

@@ -19,8 +19,9 @@ words of ``node_states`` / ``node_state_flags`` in ``src/common/slurm_protocol_d
 (SchedMD/slurm @284c3b9), which print a node in a maintenance reservation as
 ``IDLE+MAINTENANCE+RESERVED``.  IDLE, ALLOCATED, MIXED, COMPLETING, RESERVED, PLANNED and UNKNOWN
 (the controller has not heard from it since it started) are usable: the allocation (``placement
-solve --allocation``) says which of them the job has.  A node with fewer GPUs than the others is
-down as a whole tray (:meth:`placement.sources.discovery.common.Discovered.tray_down`).  Any other state
+solve --allocation``) says which of them the job has.  A node with fewer GPUs (``Gres``) than the others
+keeps them: only the GPUs it lacks, its highest local indices, are down
+(:meth:`placement.sources.discovery.common.Discovered.unusable_at`).  Any other state
 word is an error naming the node and line, as is a block's node missing from the node list, or a
 record cut short; a node with GPUs that is in no block or switch has no known domain: an error
 naming it, or with ``skip_unready`` left out with a warning.
