@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from placement import _moved
 
-_moved.install()  # the old module paths (placement.predict.cost, placement.consumers.runtime, ...) stay importable
+_moved.install()  # the old module paths (placement.cost, placement.runtime, ...) stay importable
 
 from placement.api import (  # noqa: E402
     DEFAULT_SOLVER,

@@ -2,7 +2,7 @@
 
 Before the package was split into layers (``core``, ``formats``, ``predict``, ``sources``,
 ``consumers``, ``app``, ``plan``), these modules lived at ``placement.<name>``.  ``import
-placement.predict.cost`` (or ``from placement.consumers.runtime import install_megatron``) still works: the old name
+placement.cost`` (or ``from placement.runtime import install_megatron``) still works: the old name
 is an alias of the same module object, so patches and ``isinstance`` checks see one module.  New
 code should import the new paths; ``python -m`` entry points use the new paths only
 (``python -m placement.consumers.checkpoint``, ``python -m placement.sources.realroute``).
@@ -19,47 +19,47 @@ from types import ModuleType
 
 #: old module name -> new module name (a package's submodules follow it)
 MOVED: dict[str, str] = {
-    "placement.predict.calibration": "placement.predict.calibration",
-    "placement.core.checker": "placement.core.checker",
-    "placement.consumers.checkpoint": "placement.consumers.checkpoint",
-    "placement.predict.compute": "placement.predict.compute",
-    "placement.plan.controller": "placement.plan.controller",
-    "placement.predict.cost": "placement.predict.cost",
-    "placement.sources.discovery": "placement.sources.discovery",
-    "placement.core.dispatch": "placement.core.dispatch",
-    "placement.core.executor": "placement.core.executor",
-    "placement.consumers.export": "placement.consumers.export",
-    "placement.formats.replicas": "placement.formats.replicas",
-    "placement.sources.generator": "placement.sources.generator",
-    "placement.consumers.hostfile": "placement.consumers.hostfile",
-    "placement.predict.imbalance": "placement.predict.imbalance",
-    "placement.sources.importers": "placement.sources.importers",
-    "placement.sources.instances": "placement.sources.instances",
-    "placement.consumers.launch": "placement.consumers.launch",
-    "placement.consumers.maxtext": "placement.consumers.maxtext",
-    "placement.consumers.migrate": "placement.consumers.migrate",
-    "placement.core.model": "placement.core.model",
-    "placement.core.movecount": "placement.core.movecount",
-    "placement.predict.moves": "placement.predict.moves",
-    "placement.core.perfdata": "placement.core.perfdata",
-    "placement.predict.performance": "placement.predict.performance",
-    "placement.core.permutation": "placement.core.permutation",
-    "placement.core.pipeline_layout": "placement.core.pipeline_layout",
-    "placement.predict.pipeline_split": "placement.predict.pipeline_split",
-    "placement.formats.job": "placement.formats.job",
-    "placement.core.progress": "placement.core.progress",
-    "placement.core.ray_executor": "placement.core.ray_executor",
-    "placement.sources.realroute": "placement.sources.realroute",
-    "placement.predict.replica_cost": "placement.predict.replica_cost",
-    "placement.consumers.replica_runtime": "placement.consumers.replica_runtime",
-    "solvers.replica_search": "solvers.replica_search",
-    "placement.core.replicas": "placement.core.replicas",
-    "placement.sources.runlogs": "placement.sources.runlogs",
-    "placement.consumers.runtime": "placement.consumers.runtime",
-    "placement.formats.schema": "placement.formats.schema",
-    "placement.app.show": "placement.app.show",
-    "placement.core.stats": "placement.core.stats",
-    "placement.app.verify": "placement.app.verify",
+    "placement.calibration": "placement.predict.calibration",
+    "placement.checker": "placement.core.checker",
+    "placement.checkpoint": "placement.consumers.checkpoint",
+    "placement.compute": "placement.predict.compute",
+    "placement.controller": "placement.plan.controller",
+    "placement.cost": "placement.predict.cost",
+    "placement.discovery": "placement.sources.discovery",
+    "placement.dispatch": "placement.core.dispatch",
+    "placement.executor": "placement.core.executor",
+    "placement.export": "placement.consumers.export",
+    "placement.formats_replicas": "placement.formats.replicas",
+    "placement.generator": "placement.sources.generator",
+    "placement.hostfile": "placement.consumers.hostfile",
+    "placement.imbalance": "placement.predict.imbalance",
+    "placement.importers": "placement.sources.importers",
+    "placement.instances": "placement.sources.instances",
+    "placement.launch": "placement.consumers.launch",
+    "placement.maxtext": "placement.consumers.maxtext",
+    "placement.migrate": "placement.consumers.migrate",
+    "placement.model": "placement.core.model",
+    "placement.movecount": "placement.core.movecount",
+    "placement.moves": "placement.predict.moves",
+    "placement.perfdata": "placement.core.perfdata",
+    "placement.performance": "placement.predict.performance",
+    "placement.permutation": "placement.core.permutation",
+    "placement.pipeline_layout": "placement.core.pipeline_layout",
+    "placement.pipeline_split": "placement.predict.pipeline_split",
+    "placement.plan.job": "placement.formats.job",
+    "placement.progress": "placement.core.progress",
+    "placement.ray_executor": "placement.core.ray_executor",
+    "placement.realroute": "placement.sources.realroute",
+    "placement.replica_cost": "placement.predict.replica_cost",
+    "placement.replica_runtime": "placement.consumers.replica_runtime",
+    "placement.replica_search": "solvers.replica_search",
+    "placement.replicas": "placement.core.replicas",
+    "placement.runlogs": "placement.sources.runlogs",
+    "placement.runtime": "placement.consumers.runtime",
+    "placement.schema": "placement.formats.schema",
+    "placement.show": "placement.app.show",
+    "placement.stats": "placement.core.stats",
+    "placement.verify": "placement.app.verify",
 }
 
 
@@ -89,7 +89,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> None:
     """Put the alias finder first on ``sys.meta_path``, once.  It answers only for the old names
     (none of which exists as a file any more), and must come before the path finder: a submodule
-    of a moved package (``placement.consumers.checkpoint.dcp``) would otherwise load a second time under its
+    of a moved package (``placement.checkpoint.dcp``) would otherwise load a second time under its
     old name from the aliased package's ``__path__``."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())

@@ -126,11 +126,11 @@ def test_the_peer_baselines_import_nothing_of_our_search():
 
 
 @pytest.mark.parametrize("old, new", [
-    ("placement.predict.cost", "placement.predict.cost"),
-    ("placement.consumers.runtime", "placement.consumers.runtime"),
-    ("placement.consumers.checkpoint.dcp", "placement.consumers.checkpoint.dcp"),
-    ("placement.formats.job", "placement.formats.job"),
-    ("placement.plan.controller", "placement.plan.controller"),
+    ("placement.cost", "placement.predict.cost"),
+    ("placement.runtime", "placement.consumers.runtime"),
+    ("placement.checkpoint.dcp", "placement.consumers.checkpoint.dcp"),
+    ("placement.plan.job", "placement.formats.job"),
+    ("placement.controller", "placement.plan.controller"),
 ])
 def test_old_module_paths_are_the_same_modules(old, new):
     assert importlib.import_module(old) is importlib.import_module(new)
