@@ -2,7 +2,7 @@
 replication (``eplb``) at the same N, and the memory each costs per GPU.  One run, one evaluator.
 
 For each instance: one placement (:func:`placement.solve`, no replicas, ``--time-limit`` seconds), then
-per ``N`` and rule the replica block (:func:`solvers.replica_block.replicas_block`, chosen on the
+per ``N`` and rule the replica block (:func:`placement.app.replica_block.replicas_block`, chosen on the
 sampled window) priced by :func:`placement.predict.report.report` with ``replicas=`` on the held-out window at
 the step-time model's low / mid / high settings.  Ratios are to the same placement without replicas
 (``vs N=0``) and to ``eplb`` at the same ``N`` (``vs eplb``).
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from placement.api import solve  # noqa: E402
 from placement.predict.report import report  # noqa: E402
 from placement.formats import read_instance  # noqa: E402
-from solvers.replica_block import replicas_block  # noqa: E402
+from placement.app.replica_block import replicas_block  # noqa: E402
 
 SETTINGS = ("low", "mid", "high")
 

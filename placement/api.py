@@ -516,7 +516,7 @@ def solve(
     if stop_event is not None and stop_event.is_set():
         details["interrupted"] = True
     if redundant_experts:  # the replica block of the placement file (placement/formats/replicas.py)
-        from solvers.replica_block import replicas_block
+        from placement.app.replica_block import replicas_block
 
         details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule, seed=seed)
     if move_request is not None:  # what the re-placement moves and gains (placement/predict/moves.py)

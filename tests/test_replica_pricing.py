@@ -344,7 +344,7 @@ def test_search_is_never_worse_on_tiny_and_deterministic(tiny):
 # Refusals: one line naming the field
 # ---------------------------------------------------------------------------------------------
 def test_bad_replica_maps_are_refused(tiny):
-    from solvers.replica_block import replicas_block
+    from placement.app.replica_block import replicas_block
 
     p = Placement(np.arange(tiny.parallel.world_size), np.tile(np.arange(16), (tiny.model.num_moe_layers, 1)))
     wrong_ep = ReplicaMap(np.tile(np.arange(24) % 16, (tiny.model.num_moe_layers, 1)), 16, 4)

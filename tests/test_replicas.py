@@ -16,7 +16,7 @@ from placement import export as ex
 from placement.cli import main
 from placement.formats import placement_document, read_placement, write_placement
 from placement.formats.replicas import replica_violations
-from solvers.replica_block import replicas_block
+from placement.app.replica_block import replicas_block
 from placement.core.model import InvalidInputError, Placement
 from placement.core.replicas import (
     ReplicaMap,
