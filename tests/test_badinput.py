@@ -7,7 +7,7 @@ field (or the file), that stdout is empty and that the output folder stays empty
 ``.npz`` and a placement file at random: the result must be exit 0 (a valid, complete file) or a
 one-line exit 2/3, never a traceback or exit 1.
 
-Policy decided here (and documented in the README): a GPU listed in ``unavailable_gpus`` whose
+Policy decided here (and documented in docs/api.md, "Bad input"): a GPU listed in ``unavailable_gpus`` whose
 tray is also in ``unavailable_trays`` is refused as contradictory, like a duplicate.
 """
 

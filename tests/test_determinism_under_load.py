@@ -12,7 +12,7 @@ dominate a dsv3_256 solve, 59-65 s alone on an idle 2-core machine (stop 33's co
 so at the default limit and load three the deadline cuts layers (measured
 2026-12-06: 101 s wall, layers 48 and 57 stopped, a different file).  At 150 s: 61.5 s alone, 86 s
 beside the hog, three identical files.  Sizing those searches by the budget is the fix that brings
-the default limit back (README, "Embedding in a scheduler").
+the default limit back (docs/api.md, "Deadlines").
 """
 
 from __future__ import annotations

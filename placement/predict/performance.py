@@ -73,7 +73,7 @@ Not modelled (absorbed by the fitted efficiency): recomputation, the optimizer s
 host (CPU) overhead, kernel launch gaps other than ``layer_overhead_s``.
 
 Calibration: the GEMM ceiling (and FP8 ratio) is fitted per GPU kind on the published ladder
-(:mod:`placement.predict.calibration`, ``placement calibrate``); the README has the table with every error.
+(:mod:`placement.predict.calibration`, ``placement calibrate``); docs/performance.md has the table with every error.
 :func:`performance_settings` gives the ``low``/``mid``/``high`` variants of the uncertain terms.
 
 Scoring candidates (for solvers): build :class:`StepTimeModel` once per instance (FLOP counts,
