@@ -169,7 +169,7 @@ def test_committed_real_instances_load(name):
     m = inst.model
     assert (m.num_experts, m.top_k, m.num_groups, m.groups_per_token, m.num_moe_layers) == (64, 8, 8, 4, 5)
     gen = inst.extra["generator"]
-    assert gen["function"] == "placement.sources.realroute"
+    assert gen["function"] == "placement.realroute"  # provenance as recorded in the committed instances
     assert inst.routing.topk.shape[1] == inst.parallel.dp == 64
     # Real routing: far more even than the raw router, but not flat, and sources differ.
     assert np.median(stats.load_max_mean(inst.routing.topk, 64)) > 1.0

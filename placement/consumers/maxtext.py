@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 MAXTEXT_COMMIT = "e591f30cbbf217ed67ef71263ec0538239f9c3b8"
-MAXTEXT_KIND = "placement.consumers.maxtext"
+MAXTEXT_KIND = "placement.maxtext"
 # src/maxtext/configs/base.yml @e591f30: mesh_axes
 MAXTEXT_MESH_AXES: tuple[str, ...] = (
     "diloco", "data", "stage", "fsdp", "fsdp_transpose", "context", "context_usp_ulysses",

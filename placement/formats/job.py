@@ -50,7 +50,7 @@ __all__ = [
 
 Recompute = Literal["selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("selective", "full")
-GENERATOR_FUNCTION = "placement.sources.generator.generate_routing"
+GENERATOR_FUNCTION = "placement.generator.generate_routing"  # provenance recorded in instances: stable across code moves
 # Generator parameters a job may give (generate_routing's keyword arguments, as instances record them).
 _GENERATOR_KEYS = {
     "seed", "num_layers", "num_sources", "tokens_per_source", "num_windows", "num_experts", "top_k",

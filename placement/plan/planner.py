@@ -168,7 +168,7 @@ def base_routing(job: Job) -> tuple[np.ndarray, np.ndarray, dict]:
             windows = generate_routing(**src.params)
         except (TypeError, ValueError) as exc:  # the generator's own range checks
             raise InvalidInputError(f"{job.name}: routing.generator: {exc}") from None
-        prov = {"base": {"function": "placement.sources.generator.generate_routing", **src.params,
+        prov = {"base": {"function": "placement.generator.generate_routing", **src.params,
                          "fit_tokens_per_source": src.fit_tokens, "heldout_tokens_per_source": src.heldout_tokens}}
         return windows[0][:, :, : src.fit_tokens], windows[1][:, :, : src.heldout_tokens], prov
     from placement.formats import read_instance

@@ -386,7 +386,7 @@ def build(spec: InstanceSpec) -> Instance:
         performance=spec.performance,
         extra={
             "generator": {
-                "function": "placement.sources.generator.generate_routing",
+                "function": "placement.generator.generate_routing",
                 "window_fit": 0,
                 "window_heldout": 1,
                 "fit_tokens_per_source": spec.tokens_per_source,

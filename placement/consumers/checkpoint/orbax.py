@@ -112,7 +112,7 @@ def permute_orbax(
     return changed
 
 
-MAXTEXT_DOC_KIND = "placement.consumers.maxtext"
+MAXTEXT_DOC_KIND = "placement.maxtext"
 
 
 def _maxtext_experts(doc: Mapping[str, Any] | str) -> tuple[dict[int, np.ndarray], int] | None:

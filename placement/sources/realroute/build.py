@@ -174,7 +174,7 @@ def build_all(
     checkpoints = train(corpus, model_cfg, train_cfg, log=log)
     steps_of = [s for s, _ in checkpoints]
     base = {
-        "function": "placement.sources.realroute",
+        "function": "placement.realroute",
         "command": "python -m placement.sources.realroute OUTDIR" + ("" if seed == 0 else f" --seed {seed}") + ("" if steps == 500 else f" --steps {steps}"),
         "model": asdict(model_cfg),
         "train": asdict(train_cfg),
@@ -212,7 +212,7 @@ def build_all(
         emit(
             _instance(
                 name,
-                f"Recorded routing of placement.sources.realroute's 64-expert model at step {step} of {steps} "
+                f"Recorded routing of placement.realroute's 64-expert model at step {step} of {steps} "
                 f"({frac:.0%} of training), wide EP: one EP-64 group on 4 domains of 16 GPUs.",
                 EP64,
                 model_cfg,
@@ -244,7 +244,7 @@ def build_all(
     emit(
         _instance(
             "real_pp_frag",
-            "Recorded routing of placement.sources.realroute's 64-expert model (final checkpoint) on fragmented "
+            "Recorded routing of placement.realroute's 64-expert model (final checkpoint) on fragmented "
             "racks: TP1 CP1 PP2 EP32 DP64 on 3 NVL72 racks with 20 trays down unevenly (136 of 216 free).",
             PP_FRAG,
             model_cfg,
@@ -331,7 +331,7 @@ def robust_instance(sampled: list[Instance], final: Instance) -> Instance:
     return windows_instance(
         "real_robust",
         f"Two time-ordered sampled windows, the same tokens routed at steps {steps[0]} and {steps[1]} of "
-        f"placement.sources.realroute's training (10% and 50%); held-out window by the final model; wide EP as real_ep64.",
+        f"placement.realroute's training (10% and 50%); held-out window by the final model; wide EP as real_ep64.",
         sampled,
         final,
     )
