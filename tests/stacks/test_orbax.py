@@ -109,7 +109,7 @@ def test_orbax_with_the_maxtext_export_document(tmp_path):
     tensors = [{"path": f"{block}/wi_0", "expert_axis": 0, "layer_axis": 1},
                {"path": f"{block}/gate/kernel", "expert_axis": 2, "layer_axis": 1},
                {"path": f"{block}/gate/bias", "expert_axis": 0, "layer_axis": 1}]
-    doc = {"kind": "placement.consumers.maxtext", "version": 1, "experts": {
+    doc = {"kind": "placement.maxtext", "version": 1, "experts": {
         "num_experts": NUM_EXPERTS, "num_groups": 2, "group_limited": True, "tree_root": "params/params",
         "tensors": tensors, "layers": {"0": GROUP_PRESERVING, "1": list(range(NUM_EXPERTS))}}}
     ck.permute_orbax(tmp_path / "src", tmp_path / "dst", doc)
