@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from placement.cost import LayoutIndex, evaluate, report, sampled_token_weight
 from placement.model import InvalidInputError, Placement
-from placement.replica_cost import physical_topk, replica_grad_time_s_per_stage, replica_memory_bytes_per_gpu
+from placement.replica_cost import (expert_params_or_none, physical_topk, replica_grad_time_s_per_stage,
+                                    replica_memory_bytes_per_gpu)
 from placement.replica_search import load_lower_bound, local_search, priced_step_s, search_layer, search_replicas
 from placement.replicas import (
     GRAD_BYTES_PER_PARAM,
@@ -396,3 +397,104 @@ def test_a_rank_holding_a_high_expert_twice_is_named():
     # the message once indexed the rank's slots by the expert id (IndexError for ids >= slots per rank)
     rmap = ReplicaMap(np.array([[7, 0, 7, 1, 2, 3, 4, 5, 6, 0, 1, 2]]), num_experts=8, ep=4)
     assert any("EP rank 0 holds expert 7 twice" in p for p in rmap.problems())
+
+
+# ---------------------------------------------------------------------------------------------
+# redundant_experts="auto": the count is chosen by the priced step, N = 0 when no replica pays
+# ---------------------------------------------------------------------------------------------
+def routed_instance(inst, hot: bool):
+    """``inst`` with one synthetic routing on both windows: token ``t`` of source ``j`` picks experts
+    ``k (t + j) .. k (t + j) + k - 1`` (mod E: every expert equally often, one expert group per token);
+    ``hot``: expert 0 replaces the first of them in every token that lacks it (on every layer)."""
+    import dataclasses
+
+    num_layers, dp, tokens, k = inst.routing.topk.shape
+    e = inst.model.num_experts
+    t, j, i = np.arange(tokens)[None, :, None], np.arange(dp)[:, None, None], np.arange(k)[None, None, :]
+    tk = (k * (t + j) + i) % e
+    if hot:
+        tk[..., 0] = np.where((tk == 0).any(axis=-1), tk[..., 0], 0)
+    tk = np.broadcast_to(tk, (num_layers, dp, tokens, k)).copy()
+    routing = dataclasses.replace(inst.routing, topk=tk, heldout_topk=tk.copy(), window_tokens=None)
+    return dataclasses.replace(inst, routing=routing)
+
+
+def step_through_the_evaluator(inst, p: Placement, rmap: ReplicaMap) -> float:
+    """The step-time model's sampled step with ``rmap``, from evaluate directly (not priced_step_s)."""
+    from placement.performance import StepTimeModel
+
+    return float(StepTimeModel(inst).predict_metrics(evaluate(inst, p, window="sampled", replicas=rmap),
+                                                     p.rank2gpu).step_time_s)
+
+
+@pytest.mark.parametrize("hot", [False, True])
+def test_auto_count_is_the_argmin_of_the_priced_steps(tiny, hot):
+    from placement.formats_replicas import choose_redundant_experts
+    from solvers.default import default_placement
+
+    inst = routed_instance(tiny, hot)
+    p = default_placement(inst)
+    ep, e = inst.parallel.ep, inst.model.num_experts
+    n, rmap, _info, record = choose_redundant_experts(inst, p)
+    assert [c["redundant_experts"] for c in record["candidates"]] == [0, ep, 2 * ep]
+    steps = {}
+    for c in record["candidates"]:
+        cand = search_replicas(inst, p, c["redundant_experts"])[0]  # deterministic: the same map again
+        steps[c["redundant_experts"]] = step_through_the_evaluator(inst, p, cand)
+        assert c["sampled_step_s"] == pytest.approx(steps[c["redundant_experts"]], rel=1e-12)
+        assert c["memory_bytes_per_gpu"] == pytest.approx(
+            replica_memory_bytes_per_gpu(inst, cand, expert_params_or_none(inst)) if c["redundant_experts"] else 0.0)
+        if c["redundant_experts"] == n:
+            assert np.array_equal(cand.phy2log, rmap.phy2log)
+    assert n == min(steps, key=lambda k: (steps[k], k)) == record["chosen_redundant_experts"]
+    assert rmap.num_redundant == n and not rmap.problems(p.phy2log)
+    if hot:  # expert 0 is in every token: its EP rank is the busiest by far, and its replicas pay
+        assert n > 0 and steps[n] < steps[0]
+    else:  # every rank equally loaded: a replica only adds its gradient sum
+        assert n == 0 and rmap.phy2log.shape == (inst.model.num_moe_layers, e)
+        assert steps[ep] > steps[0] and steps[2 * ep] > steps[0]
+
+
+def test_auto_count_keeps_inside_the_memory_budget_and_refuses_a_bad_one(tiny):
+    from placement.formats_replicas import choose_redundant_experts, replicas_block
+    from placement.replica_cost import memory_bytes_per_gpu_for_count
+    from solvers.default import default_placement
+
+    inst = routed_instance(tiny, True)
+    p = default_placement(inst)
+    ep = inst.parallel.ep
+    one = memory_bytes_per_gpu_for_count(inst, ep, expert_params_or_none(inst))
+    assert one > 0
+    n, _, _, record = choose_redundant_experts(inst, p, memory_budget_bytes=one * 0.99)
+    assert n == 0 and [("skipped" in c) for c in record["candidates"]] == [False, True, True]
+    n, _, _, record = choose_redundant_experts(inst, p, memory_budget_bytes=one)
+    assert n == ep and [("skipped" in c) for c in record["candidates"]] == [False, False, True]
+    block = replicas_block(inst, p, "auto", memory_budget_bytes=one)
+    assert block["num_redundant_experts"] == ep and block["search"]["auto"]["chosen_redundant_experts"] == ep
+    for bad in (-1.0, float("nan"), "1GB", True):
+        with pytest.raises(InvalidInputError, match="^replica_memory_budget_bytes: "):
+            choose_redundant_experts(inst, p, memory_budget_bytes=bad)
+
+
+def test_auto_on_the_cli_writes_the_chosen_count_that_verify_accepts(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from placement.cli import main
+
+    inst_path = Path(__file__).resolve().parent.parent / "instances" / "tiny.json"
+    out = tmp_path / "p.json"
+    assert main(["solve", str(inst_path), "--redundant-experts", "auto", "--time-limit", "10", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    auto = doc["replicas"]["search"]["auto"]
+    priced = {c["redundant_experts"]: c["sampled_step_s"] for c in auto["candidates"]}
+    assert auto["chosen_redundant_experts"] == doc["replicas"]["num_redundant_experts"] == min(priced, key=priced.get)
+    printed = capsys.readouterr().out
+    assert f"chose N={auto['chosen_redundant_experts']}" in printed
+    assert main(["verify", str(inst_path), str(out)]) == 0
+    capsys.readouterr()
+    refused = tmp_path / "refused.json"
+    assert main(["solve", str(inst_path), "--redundant-experts", "auto", "--replica-memory-budget", "-1",
+                 "-o", str(refused), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "replica_memory_budget_bytes" in err and not refused.exists()
