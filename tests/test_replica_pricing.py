@@ -498,3 +498,93 @@ def test_auto_on_the_cli_writes_the_chosen_count_that_verify_accepts(tmp_path, c
                  "-o", str(refused), "-q"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "replica_memory_budget_bytes" in err and not refused.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Joint with the permutation (placement.replica_search.joint_search)
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), per_rank=st.sampled_from([1, 2]), grouped=st.booleans())
+def test_primary_swaps_never_raise_the_busiest_rank_and_keep_the_map_valid(seed, per_rank, grouped):
+    from placement.replica_search import swap_primaries
+
+    rng = np.random.default_rng(seed)
+    e, ep = 16, 4
+    base = rng.permutation(e)
+    label = None
+    if grouped:  # 4 groups of 4 contiguous slots, experts permuted inside their group only
+        base = np.concatenate([4 * g + rng.permutation(4) for g in rng.permutation(4)])
+        label = np.arange(e) // 4
+    w = rng.integers(0, 100, size=e).astype(float)
+    extra = replicate("eplb", base[None], w[None], ep, ep * per_rank).phy2log[0].reshape(ep, -1)[:, e // ep:]
+    out = swap_primaries(base, w, ep, extra, label)
+    peak = lambda row: float(rank_loads(physical_map(row[None], extra[None], ep), w[None]).max())  # noqa: E731
+    assert peak(out) <= peak(base) + 1e-9
+    assert sorted(out.tolist()) == list(range(e))
+    assert not physical_map(out[None], extra[None], ep).problems(out[None])
+    if grouped:
+        assert (out // 4).reshape(4, 4).tolist() == (base // 4).reshape(4, 4).tolist()  # each block keeps its group
+
+
+def test_primary_swaps_counted_by_hand():
+    from placement.replica_search import swap_primaries
+
+    # 6 experts on 3 ranks [0, 1 | 2, 3 | 4, 5], w = [8, 6, 1, 1, 1, 1]; redundant slots: rank 0 holds
+    # 2, rank 1 holds 0, rank 2 holds 3.  Shares w / slots: [4, 6, .5, .5, 1, 1].
+    # Loads: rank 0 = 4 + 6 + .5 = 10.5, rank 1 = .5 + .5 + 4 = 5, rank 2 = 1 + 1 + .5 = 2.5.
+    # Swap 1: 0 cannot go to rank 1 (it holds a replica of 0), 1 <-> 2 is refused (rank 0 holds a
+    # replica of 2), 1 <-> 3 gives rank 1 10.5; 0 <-> 4, 1 <-> 4, 1 <-> 5 all give (7.5, 5, 5.5) or its
+    # mirror, busiest 7.5: the lowest pair, 0 <-> 4, is taken: [4, 1 | 2, 3 | 0, 5], loads (7.5, 5, 5.5).
+    # Swap 2: 4 <-> 3 gives (.5 + 6 + .5, .5 + 1 + 4, 4 + 1 + .5) = (7, 5.5, 5.5), the only swap below
+    # 7.5 (1 <-> 0 only mirrors 7.5).  Swap 3: none lowers 7 (3 cannot go to rank 2, which holds a
+    # replica of 3; the others give 7.5 or more): [3, 1 | 2, 4 | 0, 5].
+    base = np.array([0, 1, 2, 3, 4, 5])
+    w = np.array([8.0, 6.0, 1.0, 1.0, 1.0, 1.0])
+    extra = np.array([[2], [0], [3]])
+    out = swap_primaries(base, w, 3, extra)
+    assert out.tolist() == [3, 1, 2, 4, 0, 5]
+    assert rank_loads(physical_map(out[None], extra[None], 3), w[None]).tolist() == [[7.0, 5.5, 5.5]]
+    assert swap_primaries(base, w, 3, extra, max_swaps=1).tolist() == [4, 1, 2, 3, 0, 5]
+    # the same experts in two groups {0, 1, 2} and {3, 4, 5}: 0 may only swap with 1 or 2, and 1 or 2
+    # with 0: none lowers rank 0 (0 <-> 2 is refused, 1 <-> 2 too: rank 0 holds a replica of 2)
+    assert swap_primaries(base, w, 3, extra, np.arange(6) // 3).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), per_rank=st.sampled_from([1, 2]))
+def test_joint_search_is_never_worse_than_the_replica_search_and_deterministic(seed, per_rank):
+    from placement.checker import check
+    from placement.replica_search import joint_search
+
+    rng = np.random.default_rng(seed)
+    inst = random_instance(rng, num_experts=8, ep=4, moe_layers=2, tokens=8)
+    p = random_placement(rng, inst)
+    n = 4 * per_rank
+    alone, _ = search_replicas(inst, p, n, deterministic_time=0.2)
+    p2, rmap, _info, joint = joint_search(inst, p, n, rounds=3, deterministic_time=0.2)
+    step = priced_step_s(inst, p2, rmap)[0]
+    assert step <= priced_step_s(inst, p, alone)[0] * (1 + 1e-12)
+    assert step == pytest.approx(joint.final_step_s, rel=1e-12)
+    assert not check(inst, p2) and not rmap.problems(p2.phy2log)
+    assert np.array_equal(p2.rank2gpu, p.rank2gpu)
+    p3, rmap3, _, _ = joint_search(inst, p, n, rounds=3, deterministic_time=0.2)
+    assert np.array_equal(p3.phy2log, p2.phy2log) and np.array_equal(rmap3.phy2log, rmap.phy2log)
+
+
+def test_joint_search_keeps_swaps_only_when_the_priced_step_falls():
+    from placement.replica_search import joint_search
+
+    # seed 8 of the property above, where the swaps pay (found by scanning seeds 0-11: the only one at
+    # N = 4 or 8; on tiny, group-preserving with 4 groups, no swap pays): the accept path runs
+    rng = np.random.default_rng(8)
+    inst = random_instance(rng, num_experts=8, ep=4, moe_layers=2, tokens=8)
+    p = random_placement(rng, inst)
+    alone, _ = search_replicas(inst, p, 8, deterministic_time=0.2)
+    p2, rmap, _info, joint = joint_search(inst, p, 8, rounds=3, deterministic_time=0.2)
+    before, after = priced_step_s(inst, p, alone)[0], priced_step_s(inst, p2, rmap)[0]
+    assert joint.start_step_s == pytest.approx(before, rel=1e-12) and after < before
+    moved = np.any(p2.phy2log != p.phy2log, axis=1)
+    assert int(moved.sum()) == joint.swapped_layers >= 1
+    assert joint.history[0]["swaps_step_s"] == pytest.approx(after, rel=1e-12)
+    assert joint.history[-1]["swaps_step_s"] is None  # it stopped on a round that gained nothing
+    assert not rmap.problems(p2.phy2log)
