@@ -319,7 +319,8 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         if auto:  # --redundant-experts auto: every candidate count's priced step (sampled window)
             print("  redundant experts auto: " + ", ".join(
                 f"N={c['redundant_experts']} " + (f"{c['sampled_step_s']:.6g} s" if "sampled_step_s" in c else "skipped")
-                for c in auto["candidates"]) + f" predicted sampled step; chose N={auto['chosen_redundant_experts']}")
+                + (f" (held-out {c['heldout_step_s']:.6g} s)" if "heldout_step_s" in c else "")
+                for c in auto["candidates"]) + f" predicted step; chose N={auto['chosen_redundant_experts']} on the sampled window")
         print(f"  replicas: {result.details['replicas']['num_redundant_experts']} redundant slots per MoE layer (rule {args.replica_rule}), busiest EP "
               f"rank's tokens / mean (held-out) {rm.get('heldout_rank_load_max_over_mean', float('nan')):.3f} -> "
               f"{rm.get('heldout_rank_load_max_over_mean_with_replicas', float('nan')):.3f}; the metrics above are "

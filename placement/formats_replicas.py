@@ -195,7 +195,8 @@ def choose_redundant_experts(instance: Instance, placement: Placement, rule: str
     -------
     ``(N, map, search info or None, record)``; ``record``: ``chosen_redundant_experts``, ``window``
     and per candidate ``redundant_experts``, ``memory_bytes_per_gpu`` (None when the expert size is
-    unknown), and ``sampled_step_s`` or ``skipped`` (why).
+    unknown), and ``sampled_step_s`` (what the choice reads) and ``heldout_step_s`` (the same price
+    on the held-out window, scored only, when the instance has one), or ``skipped`` (why).
 
     Raises
     ------
@@ -230,6 +231,8 @@ def choose_redundant_experts(instance: Instance, placement: Placement, rule: str
         rmap, info = _rule_map(instance, placement, n, rule, seed)
         step = priced_step_s(instance, placement, rmap)[0]
         row["sampled_step_s"] = step
+        if instance.routing.heldout_topk is not None:  # scored only: the choice reads the sampled window
+            row["heldout_step_s"] = priced_step_s(instance, placement, rmap, window="heldout")[0]
         if best is None or step < best[0]:  # counts ascend: ties keep the smaller
             best = (step, n, rmap, info)
     assert best is not None  # N = 0 is never skipped

@@ -442,6 +442,7 @@ def test_auto_count_is_the_argmin_of_the_priced_steps(tiny, hot):
         cand = search_replicas(inst, p, c["redundant_experts"])[0]  # deterministic: the same map again
         steps[c["redundant_experts"]] = step_through_the_evaluator(inst, p, cand)
         assert c["sampled_step_s"] == pytest.approx(steps[c["redundant_experts"]], rel=1e-12)
+        assert c["heldout_step_s"] == pytest.approx(priced_step_s(inst, p, cand, window="heldout")[0], rel=1e-12)
         assert c["memory_bytes_per_gpu"] == pytest.approx(
             replica_memory_bytes_per_gpu(inst, cand, expert_params_or_none(inst)) if c["redundant_experts"] else 0.0)
         if c["redundant_experts"] == n:
