@@ -387,8 +387,9 @@ def solve(
         ``"auto"``: the count among 0, ``ep`` and ``2 ep`` whose map predicts the fastest step on the
         sampled window (:func:`placement.formats_replicas.choose_redundant_experts`; 0 when no
         replica pays), each candidate's priced step under ``details["replicas"]["search"]["auto"]``.
-    replica_memory_budget_bytes : with ``redundant_experts="auto"``, the bytes per GPU the redundant
-        slots may take (the instance carries no HBM size); None: no budget.
+    replica_memory_budget_bytes : the bytes per GPU the redundant slots may take (the instance
+        carries no HBM size): ``auto`` skips the counts over it, a fixed count over it is refused;
+        None: no budget.
     pipeline_split : with the ``step_time`` objective, a performance block, ``pp > 1`` and no
         ``previous``, choose the pipeline layer split for the answer's placement
         (:func:`placement.pipeline_split.choose_layout`; never slower than the instance's split on
@@ -462,10 +463,9 @@ def solve(
 
         if redundant_experts != "auto":
             check_redundant_experts(instance.model.num_experts, instance.parallel.ep, redundant_experts)
-        else:
-            from placement.formats_replicas import check_memory_budget
+        from placement.formats_replicas import check_memory_budget
 
-            check_memory_budget(replica_memory_budget_bytes)
+        check_memory_budget(replica_memory_budget_bytes, instance, redundant_experts)
         if replica_rule not in REPLICA_RULES:
             raise InvalidInputError(f"replica_rule: expected one of {', '.join(REPLICA_RULES)}, found {replica_rule!r}")
     fn = get_solver(solver)

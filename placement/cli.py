@@ -765,7 +765,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "divide over ep, as SGLang's --ep-num-redundant-experts; docs/replicas.md); auto: the one of "
                          "0, ep, 2 ep with the fastest predicted step")
     so.add_argument("--replica-memory-budget", type=float, default=None, metavar="GB",
-                    help="with --redundant-experts auto, the GB per GPU the redundant slots may take (default: none)")
+                    help="GB per GPU the redundant slots may take: auto skips the counts over it, a fixed N over it "
+                         "is refused (default: no budget)")
     so.add_argument("--replica-rule", default="search", choices=("search", "hottest", "eplb"),
                     help="how the replicas are chosen (default search: per layer CP-SAT / local search priced by the "
                          "evaluator, never worse than hottest or eplb; eplb: DeepSeek EPLB's replicate_experts)")

@@ -167,8 +167,13 @@ def _rule_map(instance: Instance, placement: Placement, n: int, rule: str, seed:
     return ReplicaMap(rows, m.num_experts, par.ep), None
 
 
-def check_memory_budget(budget_bytes: object) -> float | None:
-    """``replica_memory_budget_bytes`` checked: None or a non-negative, finite number (one-line error)."""
+def check_memory_budget(budget_bytes: object, instance: Instance | None = None,
+                        redundant_experts: object = AUTO) -> float | None:
+    """``replica_memory_budget_bytes`` checked: None or a non-negative, finite number (one-line error).
+
+    With ``instance`` and a fixed count ``redundant_experts``, also refuse the count when its
+    redundant slots take more bytes per GPU than the budget (``auto`` skips such counts instead).
+    """
     import math
 
     b = budget_bytes
@@ -176,6 +181,15 @@ def check_memory_budget(budget_bytes: object) -> float | None:
         return None
     if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) or not (math.isfinite(b) and b >= 0):
         raise InvalidInputError(f"replica_memory_budget_bytes: expected a non-negative, finite number of bytes, found {b!r}")
+    n = redundant_experts
+    if instance is not None and isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0:
+        from placement.replica_cost import expert_params_or_none, memory_bytes_per_gpu_for_count
+
+        mem = memory_bytes_per_gpu_for_count(instance, int(n), expert_params_or_none(instance))
+        if math.isnan(mem) or mem > b:
+            why = "the expert size is unknown" if math.isnan(mem) else f"they take {mem:.6g} bytes per GPU"
+            raise InvalidInputError(f"redundant_experts: {n} redundant slots do not fit replica_memory_budget_bytes="
+                                    f"{b:.6g} ({why})")
     return float(b)
 
 

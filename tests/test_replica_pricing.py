@@ -475,6 +475,12 @@ def test_auto_count_keeps_inside_the_memory_budget_and_refuses_a_bad_one(tiny):
     for bad in (-1.0, float("nan"), "1GB", True):
         with pytest.raises(InvalidInputError, match="^replica_memory_budget_bytes: "):
             choose_redundant_experts(inst, p, memory_budget_bytes=bad)
+    from placement.api import solve
+    from placement.formats_replicas import check_memory_budget
+
+    assert check_memory_budget(one, inst, ep) == one  # a fixed count inside the budget passes
+    with pytest.raises(InvalidInputError, match=f"^redundant_experts: {2 * ep} redundant slots do not fit "):
+        solve(inst, time_limit_s=5, redundant_experts=2 * ep, replica_memory_budget_bytes=one)  # before solving
 
 
 def test_auto_on_the_cli_writes_the_chosen_count_that_verify_accepts(tmp_path, capsys):
