@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import numpy as np
 
@@ -311,8 +311,9 @@ def solve(
     expert_params: int | None = None,
     sharded_optimizer: bool = True,
     fit: Fit = "robust",
-    redundant_experts: int = 0,
+    redundant_experts: int | Literal["auto"] = 0,
     replica_rule: str = "search",
+    replica_memory_budget_bytes: float | None = None,
     pipeline_split: bool = True,
 ) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
@@ -384,6 +385,12 @@ def solve(
         returned in ``details["replicas"]``, which the placement file holds as its ``replicas``
         block, with the evaluator's figures priced with them under ``priced``
         (:func:`placement.predict.report.report` with ``replicas=``; ``metrics`` stay the permutation's).
+        ``"auto"``: the count among 0, ``ep`` and ``2 ep`` whose map predicts the fastest step on the
+        sampled window (:func:`placement.app.replica_block.choose_redundant_experts`; 0 when no
+        replica pays), each candidate's priced step under ``details["replicas"]["search"]["auto"]``.
+    replica_memory_budget_bytes : the bytes per GPU the redundant slots may take (the instance
+        carries no HBM size): ``auto`` skips the counts over it, a fixed count over it is refused;
+        None: no budget.
     pipeline_split : with the ``step_time`` objective, a performance block, ``pp > 1`` and no
         ``previous``, choose the pipeline layer split for the answer's placement
         (:func:`placement.predict.pipeline_split.choose_layout`; never slower than the instance's split on
@@ -455,7 +462,11 @@ def solve(
     if redundant_experts or replica_rule != "search":
         from placement.core.replicas import REPLICA_RULES, check_redundant_experts
 
-        check_redundant_experts(instance.model.num_experts, instance.parallel.ep, redundant_experts)
+        if redundant_experts != "auto":
+            check_redundant_experts(instance.model.num_experts, instance.parallel.ep, redundant_experts)
+        from placement.app.replica_block import check_memory_budget
+
+        check_memory_budget(replica_memory_budget_bytes, instance, redundant_experts)
         if replica_rule not in REPLICA_RULES:
             raise InvalidInputError(f"replica_rule: expected one of {', '.join(REPLICA_RULES)}, found {replica_rule!r}")
     fn = get_solver(solver)
@@ -518,7 +529,8 @@ def solve(
     if redundant_experts:  # the replica block of the placement file (placement/formats/replicas.py)
         from placement.app.replica_block import replicas_block
 
-        details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule, seed=seed)
+        details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule, seed=seed,
+                                             memory_budget_bytes=replica_memory_budget_bytes)
     if move_request is not None:  # what the re-placement moves and gains (placement/predict/moves.py)
         from placement.predict.moves import move_report, replica_state_bytes
 

@@ -215,6 +215,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                 fit=args.fit,
                 redundant_experts=args.redundant_experts,
                 replica_rule=args.replica_rule,
+                replica_memory_budget_bytes=None if args.replica_memory_budget is None else args.replica_memory_budget * 1e9,
                 pipeline_split=not args.keep_pipeline_layout,
             )
     except PlacementError:
@@ -314,7 +315,13 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
         print("\n".join(_moves_lines(args.previous, result.details["moves"])))
     if "replicas" in result.details:  # placement/formats/replicas.py; priced under "priced", metrics above without
         rm = result.details["replicas"]["metrics"]
-        print(f"  replicas: {args.redundant_experts} redundant slots per MoE layer (rule {args.replica_rule}), busiest EP "
+        auto = result.details["replicas"].get("search", {}).get("auto")
+        if auto:  # --redundant-experts auto: every candidate count's priced step (sampled window)
+            print("  redundant experts auto: " + ", ".join(
+                f"N={c['redundant_experts']} " + (f"{c['sampled_step_s']:.6g} s" if "sampled_step_s" in c else "skipped")
+                + (f" (held-out {c['heldout_step_s']:.6g} s)" if "heldout_step_s" in c else "")
+                for c in auto["candidates"]) + f" predicted step; chose N={auto['chosen_redundant_experts']} on the sampled window")
+        print(f"  replicas: {result.details['replicas']['num_redundant_experts']} redundant slots per MoE layer (rule {args.replica_rule}), busiest EP "
               f"rank's tokens / mean (held-out) {rm.get('heldout_rank_load_max_over_mean', float('nan')):.3f} -> "
               f"{rm.get('heldout_rank_load_max_over_mean_with_replicas', float('nan')):.3f}; the metrics above are "
               "without them")
@@ -697,6 +704,11 @@ _ALLOCATION_HELP = (
 )
 
 
+def redundant_count(value: str) -> int | str:
+    """``--redundant-experts``: an integer or ``auto`` (placement.formats.replicas.choose_redundant_experts)."""
+    return "auto" if value == "auto" else int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
     from placement.api import DEFAULT_SOLVER
@@ -748,9 +760,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the instance's pipeline layer split (default: choose it for the placement, "
                          "docs/pipeline_layout.md)")
     so.add_argument("--json", action="store_true", help="print the result as JSON")
-    so.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+    so.add_argument("--redundant-experts", type=redundant_count, default=0, metavar="N",
                     help="N extra expert slots per MoE layer for replicas of hot experts (N / ep per GPU; E + N must "
-                         "divide over ep, as SGLang's --ep-num-redundant-experts; docs/replicas.md)")
+                         "divide over ep, as SGLang's --ep-num-redundant-experts; docs/replicas.md); auto: the one of "
+                         "0, ep, 2 ep with the fastest predicted step")
+    so.add_argument("--replica-memory-budget", type=float, default=None, metavar="GB",
+                    help="GB per GPU the redundant slots may take: auto skips the counts over it, a fixed N over it "
+                         "is refused (default: no budget)")
     so.add_argument("--replica-rule", default="search", choices=("search", "hottest", "eplb"),
                     help="how the replicas are chosen (default search: per layer CP-SAT / local search priced by the "
                          "evaluator, never worse than hottest or eplb; eplb: DeepSeek EPLB's replicate_experts)")

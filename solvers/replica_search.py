@@ -42,9 +42,11 @@ Dispatcher rule: HybridEP sees a replica as one more column of the routing map o
 with ``num_of_experts_per_rank`` columns per rank), and the node rule (:mod:`placement.core.dispatch`)
 depends only on the rank layout, which replicas do not change: every map here is one HybridEP runs.
 
-Not built: moving the permutation together with the replicas (the outer cross-rack search does not
-see replicas), and a time term for the all-to-all inside the CP-SAT model (it enters through the
-evaluator's per-layer choice).
+Moving the permutation with the replicas: :func:`joint_search` (primary-expert swaps priced with the
+replicas, alternated with this search; never worse on the sampled window, but on dsv3_256 at N = 64
+its sampled gain did not carry to the held-out window, so ``solve`` does not call it).  Not built:
+the outer cross-rack search seeing replicas, and a time term for the all-to-all inside the CP-SAT
+model (it enters through the evaluator's per-layer choice).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ from placement.core.replicas import ReplicaMap, check_rule_inputs, expert_loads,
 if TYPE_CHECKING:  # pragma: no cover
     from placement.predict.cost import Window
 
-__all__ = ["SearchInfo", "search_replicas", "search_layer", "load_lower_bound", "priced_step_s"]
+__all__ = ["SearchInfo", "search_replicas", "search_layer", "load_lower_bound", "priced_step_s", "JointInfo",
+           "joint_search", "swap_primaries"]
 
 MAX_COUNT = 8  # slots per expert the model considers beyond the hint (K)
 DETERMINISTIC_TIME_PER_LAYER = 1.0  # CP-SAT's deterministic time units per layer
@@ -392,3 +395,180 @@ def search_replicas(instance: Instance, placement: Placement, redundant_experts:
     info.load = [float(rank_loads(ReplicaMap(rows_final[li:li + 1], m.num_experts, par.ep), loads[li:li + 1]).max())
                  / (float(loads[li].sum()) / par.ep or 1.0) for li in range(m.num_moe_layers)]
     return final, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Joint with the permutation: swaps of primary experts between EP ranks, priced with the replicas
+# ---------------------------------------------------------------------------------------------
+JOINT_SWAPS_PER_LAYER = 8  # load-driven swaps proposed per layer and round
+
+
+@dataclass
+class JointInfo:
+    """What :func:`joint_search` did: per round the priced sampled step after the primary-expert
+    swaps and after the replica search re-ran on the swapped permutation (None: not accepted)."""
+
+    rounds: int = 0
+    start_step_s: float = 0.0
+    final_step_s: float = 0.0
+    swapped_layers: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"rounds": self.rounds, "start_sampled_step_s": self.start_step_s,
+                "final_sampled_step_s": self.final_step_s, "swapped_layers": self.swapped_layers,
+                "history": list(self.history)}
+
+
+def swap_primaries(base_row: np.ndarray, w: np.ndarray, ep: int, extra: np.ndarray,
+                   label: np.ndarray | None = None, max_swaps: int = JOINT_SWAPS_PER_LAYER) -> np.ndarray:
+    """One layer's permutation improved on the busiest EP rank's tokens, the replicas kept.
+
+    A swap exchanges the slots of a primary expert ``e`` of the busiest rank ``a`` and a primary
+    ``f`` of another rank ``b``: allowed when ``b`` holds no replica of ``e`` nor ``a`` one of ``f``
+    (a rank holds an expert once) and, with ``label`` (E,), ``label[e] == label[f]`` (the expert
+    group of group-limited routing, so a group-preserving map stays one).  Each expert keeps its
+    slot count, so ``a`` trades ``w_e / c_e`` for ``w_f / c_f``.  The best swap by (busiest rank,
+    sum of squared rank loads) is taken while it lowers that pair lexicographically; deterministic
+    (lowest ``(e, f)`` on ties).
+
+    Returns
+    -------
+    (E,) the new permutation row (``extra`` still valid on it).
+    """
+    row = np.array(base_row, dtype=np.int64)
+    w = np.asarray(w, dtype=np.float64)
+    e_n = len(row)
+    epr = e_n // ep
+    ex = np.asarray(extra, dtype=np.int64).reshape(ep, -1)
+    held_extra = np.zeros((e_n, ep), dtype=bool)
+    if ex.size:
+        held_extra[ex.reshape(-1), np.repeat(np.arange(ep), ex.shape[1])] = True
+    cnt = 1.0 + held_extra.sum(axis=1)
+    share = w / cnt
+    for _ in range(max_swaps):
+        home = np.empty(e_n, dtype=np.int64)
+        home[row] = np.arange(e_n) // epr
+        load = np.bincount(home, weights=share, minlength=ep) + (held_extra * share[:, None]).sum(axis=0)
+        peak, sq = float(load.max()), float((load ** 2).sum())
+        a = int(np.argmax(load))
+        best: tuple[float, float, int, int] | None = None
+        for e in sorted(row[a * epr:(a + 1) * epr].tolist()):
+            f = np.arange(e_n)
+            ok = (home != a) & ~held_extra[e, home] & ~held_extra[f, a]
+            if label is not None:
+                ok &= label == label[e]
+            if not ok.any():
+                continue
+            d = share[f] - share[e]  # a gains f, loses e; b the reverse
+            new_a = load[a] + d
+            new_b = load[home] - d
+            rest = load.copy()
+            rest[a] = -np.inf
+            # busiest of the ranks other than a and b: the top two of the rest cover every b
+            top2 = np.sort(rest)[-2:]
+            other = np.where(load[home] >= top2[1], top2[0], top2[1])
+            nmax = np.maximum(np.maximum(new_a, new_b), other)
+            nsq = sq - load[a] ** 2 - load[home] ** 2 + new_a ** 2 + new_b ** 2
+            nmax = np.where(ok, nmax, np.inf)
+            k = int(np.lexsort((f, nsq, nmax))[0])
+            if not ok[k]:
+                continue
+            cand = (float(nmax[k]), float(nsq[k]), int(e), int(k))
+            if best is None or cand[:2] < best[:2]:
+                best = cand
+        if best is None or not (best[0] < peak - 1e-9 * peak or (best[0] <= peak + 1e-9 * peak and best[1] < sq - 1e-9 * sq)):
+            break
+        pe, pf = int(np.flatnonzero(row == best[2])[0]), int(np.flatnonzero(row == best[3])[0])
+        row[pe], row[pf] = row[pf], row[pe]
+    return row
+
+
+def _with_rows(placement: Placement, rows: np.ndarray) -> Placement:
+    import dataclasses
+
+    return dataclasses.replace(placement, phy2log=np.asarray(rows, dtype=np.int64))
+
+
+def joint_search(instance: Instance, placement: Placement, redundant_experts: int, *, seed: int = 0,
+                 rounds: int = 1, deterministic_time: float = DETERMINISTIC_TIME_PER_LAYER,
+                 ) -> tuple[Placement, ReplicaMap, SearchInfo, JointInfo]:
+    """The replica search made joint with the permutation, by alternation on the priced step.
+
+    Starts from :func:`search_replicas` on ``placement``.  Each round: (1) per layer
+    :func:`swap_primaries` moves primary experts between EP ranks under the current replicas (the
+    replica slots move with nothing; a layer's map stays valid); the evaluator prices the swapped
+    permutation with the same replicas on the sampled window, each layer keeps the old or the
+    swapped row by its priced time (as :func:`search_replicas` combines its candidates), and the
+    combination is kept only if its whole priced step is lower.  (2) :func:`search_replicas` re-runs
+    on the kept permutation; its map is kept only if the priced step is lower.  It stops after
+    ``rounds`` rounds or a round that gains nothing.  So the returned pair never prices worse than
+    :func:`search_replicas` alone on the sampled window, and the same input gives the same output
+    (no clock: ``rounds`` is a count).
+
+    The swaps keep the dispatcher's rules: the rank layout (``rank2gpu``, hence nodes and the
+    DeepEP/HybridEP rule) does not change, every layer stays a permutation, and when every layer
+    keeps the expert groups of group-limited routing whole, only experts of one group swap.
+
+    Returns
+    -------
+    ``(placement, replica map, search info of the last accepted replica search, JointInfo)``.
+    """
+    from solvers.kernels.expert_groups import keeps_expert_groups
+
+    m, par = instance.model, instance.parallel
+    e_n, ep = m.num_experts, par.ep
+    rmap, info = search_replicas(instance, placement, redundant_experts, seed=seed, deterministic_time=deterministic_time)
+    best_step, best_layers = priced_step_s(instance, placement, rmap)
+    joint = JointInfo(start_step_s=best_step, final_step_s=best_step)
+    if redundant_experts == 0:
+        return placement, rmap, info, joint
+    label = None
+    if m.num_groups > 1 and keeps_expert_groups(placement.phy2log, e_n // m.num_groups):
+        label = np.arange(e_n) // (e_n // m.num_groups)
+    loads = expert_loads(instance.routing.topk, e_n)
+    epr, spr = e_n // ep, (e_n + redundant_experts) // ep
+    swapped = np.zeros(m.num_moe_layers, dtype=bool)
+    for rnd in range(max(0, int(rounds))):
+        joint.rounds = rnd + 1
+        base = np.asarray(placement.phy2log, dtype=np.int64)
+        extra = rmap.phy2log.reshape(m.num_moe_layers, ep, spr)[:, :, epr:]
+        rows = np.stack([swap_primaries(base[li], loads[li], ep, extra[li], label) for li in range(m.num_moe_layers)])
+        entry: dict = {"round": rnd + 1, "swaps_step_s": None, "replicas_step_s": None}
+        gained = False
+        if not np.array_equal(rows, base):
+            cand_p = _with_rows(placement, rows)
+            cand_r = physical_map(rows, extra, ep)
+            step, per_layer = priced_step_s(instance, cand_p, cand_r)
+            pick = per_layer < best_layers  # per layer: the swapped row where it prices faster
+            if pick.any() and not pick.all():
+                rows = np.where(pick[:, None], rows, base)
+                cand_p = _with_rows(placement, rows)
+                cand_r = physical_map(rows, extra, ep)
+                step, per_layer = priced_step_s(instance, cand_p, cand_r)
+            if pick.any() and step < best_step:
+                placement, rmap, best_step, best_layers = cand_p, cand_r, step, per_layer
+                swapped |= np.any(rows != base, axis=1)
+                entry["swaps_step_s"] = step
+                info = _chosen_as(info, "joint_swaps")
+                gained = True
+        if gained:  # the replicas re-chosen for the new permutation
+            r2, i2 = search_replicas(instance, placement, redundant_experts, seed=seed,
+                                     deterministic_time=deterministic_time)
+            step, per_layer = priced_step_s(instance, placement, r2)
+            if step < best_step:
+                rmap, info, best_step, best_layers = r2, i2, step, per_layer
+                entry["replicas_step_s"] = step
+        joint.history.append(entry)
+        if not gained:
+            break
+    joint.final_step_s = best_step
+    joint.swapped_layers = int(swapped.sum())
+    return placement, rmap, info, joint
+
+
+def _chosen_as(info: SearchInfo, chosen: str) -> SearchInfo:
+    """``info`` with ``chosen`` naming the map's origin (the swaps kept the previous replicas)."""
+    import dataclasses
+
+    return dataclasses.replace(info, chosen=chosen, layer_source=[chosen] * len(info.layer_source))

@@ -44,6 +44,7 @@ __all__ = [
     "replica_grad_time_s_per_stage",
     "replica_grad_bytes_per_step",
     "replica_memory_bytes_per_gpu",
+    "memory_bytes_per_gpu_for_count",
 ]
 
 
@@ -176,3 +177,16 @@ def replica_memory_bytes_per_gpu(instance: Instance, rmap: ReplicaMap, expert_pa
     layers = np.bincount(np.asarray(instance.moe_layer2stage), minlength=par.pp).max()
     per_slot = extra_slot_bytes(expert_params, par.ep_groups_per_stage)
     return float(layers * (rmap.num_redundant // par.ep) * per_slot)
+
+
+def memory_bytes_per_gpu_for_count(instance: Instance, redundant_experts: int, expert_params: int | None) -> float:
+    """Bytes ``redundant_experts`` slots per MoE layer add to the fullest GPU, before any map is chosen:
+    the same figure as :func:`replica_memory_bytes_per_gpu` (which depends on the count only); NaN
+    when the expert size is unknown and the count is positive."""
+    if redundant_experts == 0:
+        return 0.0
+    if not expert_params:
+        return float("nan")
+    par = instance.parallel
+    layers = np.bincount(np.asarray(instance.moe_layer2stage), minlength=par.pp).max()
+    return float(layers * (redundant_experts // par.ep) * extra_slot_bytes(expert_params, par.ep_groups_per_stage))

@@ -15,6 +15,14 @@ TorchTitan's ``GroupedExperts`` casts the weights to BF16 inside its forward (``
 so autograd hands each slot a BF16-rounded weight gradient: a replicated expert's gradient is the
 sum of its slots' rounded parts instead of one rounding of the whole, and the two jobs agree to
 BF16 precision (a few 2^-8 relative), not float32's.
+
+Live re-plan, in the same launch: ``ref_m`` is ``ref`` with SGD momentum 0.9 (per-element optimizer
+state); ``replan`` is ``rep`` with that optimizer, re-planned once after step ``REPLAN_AFTER``
+(``InstalledReplicas.replan``, which runs :func:`placement.consumers.migrate.migrate` over the EP group) to
+:data:`REPLAN`: each rank's redundant slot drops its replica and takes an expert of the other EP
+rank, so the new replicas' weights (each TP shard) and momentum buffers come over the network.
+``replan_skip`` is ``replan`` without the replicas' gradient sum.  Each step records the map it ran
+under, and its gradients and weights are compared slot by slot with ``ref_m``'s logical experts.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 MAP = [0, 1, 2, 3, 5, 4, 5, 6, 7, 1]  # phy2log: 8 experts + 2 replicas, 5 slots per EP rank
+REPLAN = [0, 1, 2, 3, 6, 4, 5, 6, 7, 2]  # after the live re-plan: each redundant slot takes the other rank's expert
+REPLAN_AFTER = 1  # the re-plan runs at the boundary after this step
+MODES = ("ref", "rep", "skip", "ref_m", "replan", "replan_skip", "replan_no_state")
 LAYER = 1
 STEPS = 5
 EXPERT_PARAMS = ("w1_EFD", "w2_EDF", "w3_EFD")
@@ -111,6 +122,40 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def _replica_spread(model: Any, opt: Any, phy2log: list[int]) -> float:
+    """Largest difference between two slots of one logical expert, over the expert weights and their
+    momentum buffers (0.0 exactly when every replica is bit-identical to its expert's first slot)."""
+    inner = model.layers[str(LAYER)].moe.routed_experts.inner_experts
+    worst = 0.0
+    for name in EXPERT_PARAMS:
+        p = getattr(inner, name)
+        tensors = [_full(p).detach()]
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            tensors.append(_full(buf))
+        for t in tensors:
+            for e in set(phy2log):
+                slots = [i for i, x in enumerate(phy2log) if x == e]
+                for i in slots[1:]:
+                    worst = max(worst, float((t[i] - t[slots[0]]).abs().max()))
+    return worst
+
+
+def _zero_moved_momentum(model: Any, opt: Any, old: list[int], new: list[int], ep_rank: int) -> None:
+    """Zero the momentum rows of this rank's slots whose logical expert changed in the re-plan."""
+    import torch
+
+    per_rank = len(MAP) // 2
+    inner = model.layers[str(LAYER)].moe.routed_experts.inner_experts
+    with torch.no_grad():
+        for name in EXPERT_PARAMS:
+            buf = opt.state[getattr(inner, name)]["momentum_buffer"]
+            local = buf.to_local() if hasattr(buf, "to_local") else buf
+            for i in range(per_rank):
+                if old[ep_rank * per_rank + i] != new[ep_rank * per_rank + i]:
+                    local[i].zero_()
+
+
 def _compare(mesh: Any, ep_mesh: Any, dims: Any, dp_rank: int) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -121,16 +166,18 @@ def _compare(mesh: Any, ep_mesh: Any, dims: Any, dp_rank: int) -> dict[str, Any]
     result: dict[str, Any] = {}
     try:
         runs: dict[str, dict[str, Any]] = {}
-        for mode in ("ref", "rep", "skip"):
+        for mode in MODES:
             ref, rep = _models()
-            model = ref if mode == "ref" else rep
+            model = ref if mode.startswith("ref") else rep
             model.layers[str(LAYER)].moe.parallelize(dims)
             installed = None
-            if mode != "ref":
+            if not mode.startswith("ref"):
                 installed = rr.install_torchtitan_replicas(model, {LAYER: MAP}, NUM_EXPERTS,
                                                            ep_rank=ep_mesh.get_local_rank(), ep=2)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
-            out: dict[str, list[Any]] = {"losses": [], "grads": [], "weights": []}
+            momentum = 0.9 if mode == "ref_m" or mode.startswith("replan") else 0.0
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, foreach=False)
+            out: dict[str, list[Any]] = {"losses": [], "grads": [], "weights": [], "maps": [], "spread": []}
+            current = list(MAP) if installed is not None else list(range(NUM_EXPERTS))
             for step in range(STEPS):
                 gen = torch.Generator().manual_seed(100 * step + dp_rank)  # each data-parallel rank its own batch
                 x_local, y_local = torch.randn(2, 6, DIM, generator=gen), torch.randn(2, 6, DIM, generator=gen)
@@ -139,30 +186,43 @@ def _compare(mesh: Any, ep_mesh: Any, dims: Any, dp_rank: int) -> dict[str, Any]
                 opt.zero_grad()
                 loss = ((model.layers[str(LAYER)].moe(x) - y) ** 2).mean()
                 loss.backward()
-                if installed is not None and mode == "rep":
+                if installed is not None and mode in ("rep", "replan", "replan_no_state"):
                     installed.reduce_grads(group=ep_mesh.get_group())
                 grads = {n.rsplit(".", 1)[-1]: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
                 grads["input"] = _full(x.grad).detach().clone()
                 opt.step()
                 out["losses"].append(_full(loss).item())
                 out["grads"].append(grads)
+                out["maps"].append(list(current))
                 out["weights"].append({n.rsplit(".", 1)[-1]: _full(p).detach().clone()
                                        for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in EXPERT_PARAMS})
+                out["spread"].append(_replica_spread(model, opt, current))
+                if installed is not None and mode.startswith("replan") and step == REPLAN_AFTER:
+                    opt.zero_grad()
+                    report = installed.replan({LAYER: REPLAN}, opt, group=ep_mesh.get_group())
+                    old, current = current, [int(x) for x in installed.phy2log(LAYER)]
+                    if mode == "replan_no_state":  # the moved slots' momentum lost: what migrate must avoid
+                        _zero_moved_momentum(model, opt, old, current, ep_mesh.get_local_rank())
+                    result[f"{mode}_report"] = {"moved_replicas": report.moved_replicas, "map": current,
+                                                "received_bytes": report.received_bytes,
+                                                "spread_after": _replica_spread(model, opt, current)}
             runs[mode] = out
-        index = torch.as_tensor(MAP)
-        for mode in ("rep", "skip"):
-            a, b = runs["ref"], runs[mode]
+        for mode, base in (("rep", "ref"), ("skip", "ref"), ("replan", "ref_m"), ("replan_skip", "ref_m"),
+                           ("replan_no_state", "ref_m")):
+            a, b = runs[base], runs[mode]
             loss = max(abs(u - v) for u, v in zip(a["losses"], b["losses"]))
             grad = weight = 0.0
-            for ga, gb in zip(a["grads"], b["grads"]):
+            for ga, gb, m in zip(a["grads"], b["grads"], b["maps"]):
+                index = torch.as_tensor(m)
                 for key, want in ga.items():
                     got = gb[key]
                     want = want[index] if key in EXPERT_PARAMS else want
                     grad = max(grad, float((got - want).abs().max()))
-            for wa, wb in zip(a["weights"], b["weights"]):
+            for wa, wb, m in zip(a["weights"], b["weights"], b["maps"]):
+                index = torch.as_tensor(m)
                 for key, want in wa.items():
                     weight = max(weight, float((wb[key] - want[index]).abs().max()))
-            result[mode] = {"loss": loss, "grad": grad, "weight": weight}
+            result[mode] = {"loss": loss, "grad": grad, "weight": weight, "replica_spread": max(b["spread"])}
         result["steps"] = len(runs["ref"]["losses"])
     except Exception as exc:  # recorded: the test shows it
         import traceback

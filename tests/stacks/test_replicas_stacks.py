@@ -12,6 +12,13 @@ not carried (zeroed), and EP2 x expert-DP 2 across the re-plans fails without th
 one MoE layer with EP2 x TP2 (``full_dtensor``), five SGD steps; its ``GroupedExperts`` rounds each
 slot's weight gradient to BF16, so there the bar is BF16's: measured largest differences with the
 replica sum 2.0e-3 (gradients), 3.3e-4 (loss), 2.0e-4 (weights), against 0.50, 0.16 and 0.046 without it.
+In the same launch, a live re-plan after step 1 through ``placement.consumers.migrate`` (each EP rank's redundant
+slot takes an expert of the other rank, weights and SGD momentum carried): every replica stays
+bit-identical to its expert's first slot (weights and momentum, 0.0 exactly, checked right after the
+re-plan and after every step), and the job matches the job without replicas to the BF16 bar grown by
+momentum (measured 6.7e-3 gradients, 4.0e-3 loss, 1.8e-3 weights; the same job without the re-plan:
+2.4e-3, 1.4e-3, 6.7e-4).  Without the gradient sum: 2.9, 0.30, 0.79; with the moved slots' momentum
+zeroed: 0.25, 0.13, 0.67.
 """
 
 from __future__ import annotations
@@ -172,3 +179,34 @@ def test_megatron_live_replan_without_the_replica_gradient_sum_differs(megatron)
     for rank in megatron:
         loss, grad, weight = max_diff(rank["ep2_edp2/ref"], rank["ep2_edp2/replan_skip"])
         assert grad > 1e-3 and weight > 1e-4, (loss, grad, weight)
+
+
+# SGD momentum 0.9 sums up to 1 + 0.9 + ... + 0.9^4 = 4.1 steps' BF16-rounded gradients into one update
+MOMENTUM_BF16_TOL = {k: v * sum(0.9 ** i for i in range(STEPS)) for k, v in BF16_TOL.items()}
+
+
+def test_titan_live_replan_keeps_every_replica_identical_and_the_job_equal_to_the_job_without(titan):
+    from tests.stacks.replicas_titan_job import REPLAN
+
+    for rank in titan:
+        assert "error" not in rank, rank.get("error")
+        report = rank["replan_report"]
+        assert report["map"] == REPLAN and report["moved_replicas"] == 2 and report["received_bytes"] > 0
+        # float-exact: the new replicas got their expert's weights and momentum, and stayed equal
+        assert report["spread_after"] == 0.0 and rank["replan"]["replica_spread"] == 0.0
+        for key, tol in MOMENTUM_BF16_TOL.items():
+            assert rank["replan"][key] <= tol, (key, rank["replan"])
+
+
+def test_titan_live_replan_without_the_replica_gradient_sum_differs(titan):
+    for rank in titan:
+        assert rank["replan_skip"]["replica_spread"] > 1e-2, rank["replan_skip"]
+        for key, tol in MOMENTUM_BF16_TOL.items():
+            assert rank["replan_skip"][key] >= 10 * tol, (key, rank["replan_skip"])
+
+
+def test_titan_live_replan_without_the_moved_momentum_differs(titan):
+    for rank in titan:
+        assert rank["replan_no_state_report"]["spread_after"] > 1e-2
+        for key in ("loss", "weight"):
+            assert rank["replan_no_state"][key] >= 10 * MOMENTUM_BF16_TOL[key], (key, rank["replan_no_state"])
