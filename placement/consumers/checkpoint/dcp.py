@@ -17,7 +17,10 @@ file system), or are split over the ranks of a ``torch.distributed`` job (``dist
 Atomic and resumable: everything is written under ``.DST.partial`` beside the destination; a
 finished storage file is renamed into place and then recorded in the journal
 (``.DST.partial/.placement-journal/``); a rerun with the same inputs skips the recorded files; the
-last step writes ``.metadata`` and renames the directory to ``DST``.
+last step writes ``.metadata`` and renames the directory to ``DST``.  Every rename follows the
+fsync of what it names and is followed by the fsync of its folder (the storage files, the journal
+entries, ``.metadata``, the copied ``metadata.json`` / ``common.pt``, and ``DST`` itself), so after
+a crash the journal never names a file that is not on disk.
 
 Where each chunk's data comes from (the plan, built from ``.metadata`` before anything is written)
 is :mod:`placement.consumers.checkpoint._dcp_plan`.
@@ -39,7 +42,7 @@ from typing import Any, Literal
 
 from placement.consumers.checkpoint._dcp_plan import _Plan, _Spec
 from placement.consumers.checkpoint._entries import _doc_groups
-from placement.formats import atomic_write_text, fsync_dir
+from placement.formats import atomic_write_bytes, atomic_write_text, fsync_dir
 from placement.core.model import InvalidInputError
 from placement.core.permutation import check_permutation, read_expert_permutation
 
@@ -453,13 +456,39 @@ def _finalize(src: Path, dst: Path, tmp: Path, files: Sequence[str]) -> None:
             storage[index] = _StorageInfo(rel, start, length, descriptors)
     md = _read_metadata(src)
     md.storage_data = {idx: storage[idx] for idx in md.storage_data}
-    with open(tmp / ".metadata.tmp", "wb") as f:
-        pickle.dump(md, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp / ".metadata.tmp", tmp / ".metadata")
+    atomic_write_bytes(tmp / ".metadata", pickle.dumps(md))  # temporary, fsync, rename, fsync the folder
     for child in src.iterdir():  # metadata.json, common.pt, ...: not part of the DCP data
         if child.name != ".metadata" and child.name not in files and not (tmp / child.name).exists():
-            (shutil.copytree if child.is_dir() else shutil.copy2)(child, tmp / child.name)
+            _copy_durably(child, tmp / child.name)
     shutil.rmtree(tmp / JOURNAL)
+    fsync_dir(tmp)  # the copies' renames and the journal's removal are on disk before the folder moves
     os.replace(tmp, dst)
+    fsync_dir(dst.parent)  # and the move itself
+
+
+def _copy_durably(source: Path, target: Path) -> None:
+    """Copy the file or folder ``source`` to ``target`` through ``target.part``: every copied file
+    fsynced, then renamed, so a ``target`` that exists is whole (a resumed run keeps it)."""
+    part = target.with_name(target.name + ".part")
+    if part.is_dir():
+        shutil.rmtree(part)
+    elif part.exists():
+        part.unlink()
+    if source.is_dir():
+        shutil.copytree(source, part)
+        for root, _, names in os.walk(part):
+            for name in names:
+                _fsync_file(Path(root) / name)
+            fsync_dir(Path(root))
+    else:
+        shutil.copy2(source, part)
+        _fsync_file(part)
+    os.replace(part, target)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
