@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from placement import checkpoint as ck
-from placement import export as ex
+from placement.consumers import export as ex
 from placement.core.model import InfeasibleError, InvalidInputError, Placement
 from solvers.default import default_rank2gpu
 from tests.test_export import group_preserving_perm

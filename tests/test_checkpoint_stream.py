@@ -213,6 +213,75 @@ def test_a_journal_entry_is_durable_only_after_the_file_it_records(tmp_path, mon
         assert ("fsync", os.path.dirname(entry)) in events[i:]  # and its rename
 
 
+def test_the_finished_checkpoint_is_renamed_into_place_only_after_its_files_are_on_disk(tmp_path, monkeypatch):
+    """The last steps: ``.metadata`` written to a temporary, fsynced and renamed; the files copied
+    beside the DCP data (metadata.json, common.pt) fsynced before their rename; the partial folder
+    fsynced after the last of them (and the journal's removal), only then renamed to DST, and DST's
+    parent fsynced after that rename.  Recorded from os.fsync and os.replace (Linux only)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd")
+    src, layout_path, _ = _write(tmp_path)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b, *args, **kw):
+        events.append(("replace", f"{os.path.realpath(a)} -> {os.path.realpath(b)}"))
+        return real_replace(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    dst = tmp_path / "dst"
+    ck.permute_dcp(src, dst, permutation_doc(SMALL, seed=5), bucket_layout=layout_path)
+    monkeypatch.undo()
+    tmp, dst_real = os.path.realpath(tmp_path / ".dst.partial"), os.path.realpath(dst)
+    (last,) = [i for i, e in enumerate(events) if e == ("replace", f"{tmp} -> {dst_real}")]
+    assert last == max(i for i, (kind, _) in enumerate(events) if kind == "replace")
+    # every file DST holds was fsynced (under its temporary name) and renamed before the move
+    renamed = {what.split(" -> ")[1]: (i, what.split(" -> ")[0]) for i, (kind, what) in enumerate(events[:last])
+               if kind == "replace"}
+    side = sorted(p.name for p in src.iterdir() if not p.name.endswith(".distcp") and p.name != ".metadata")
+    assert side == ["common.pt", "metadata.json"]
+    for name in [".metadata", *side]:
+        i, temp = renamed[f"{tmp}/{name}"]
+        assert ("fsync", temp) in events[:i], name
+    into_tmp = max(i for i, _ in renamed.values())
+    assert ("fsync", tmp) in events[into_tmp:last]  # the renames inside the folder, before it moves
+    assert ("fsync", str(tmp_path.resolve())) in events[last:]  # the move itself
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in src.iterdir())
+    for name in side:
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+
+
+def test_a_half_copied_side_file_is_copied_again_on_resume(tmp_path, monkeypatch):
+    """A crash while copying metadata.json / common.pt leaves only ``NAME.part``: the rerun copies
+    the file again instead of keeping a truncated one."""
+    src, layout_path, _ = _write(tmp_path)
+    doc = permutation_doc(SMALL, seed=5)
+    real = ck_dcp._copy_durably
+
+    def crash(source, target):
+        Path(str(target) + ".part").write_bytes((source.read_bytes())[:3])  # half a copy
+        raise OSError("power cut (injected)")
+
+    monkeypatch.setattr(ck_dcp, "_copy_durably", crash)
+    dst = tmp_path / "dst"
+    with pytest.raises(OSError, match="injected"):
+        ck.permute_dcp(src, dst, doc, bucket_layout=layout_path)
+    partial = tmp_path / ".dst.partial"
+    assert not dst.exists() and not any(p.name in ("common.pt", "metadata.json") for p in partial.iterdir())
+    monkeypatch.setattr(ck_dcp, "_copy_durably", real)
+    stats = ck.DcpStats()
+    ck.permute_dcp(src, dst, doc, bucket_layout=layout_path, stats=stats)
+    assert stats.files_skipped == SMALL.ep and stats.finalized
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in src.iterdir())
+    for name in ("common.pt", "metadata.json"):
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+
+
 def test_an_interrupted_run_resumes_from_its_journal_and_writes_the_same_bytes(tmp_path, monkeypatch):
     src, layout_path, _ = _write(tmp_path)
     doc = permutation_doc(SMALL, seed=5)

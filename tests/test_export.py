@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement import export as ex
+from placement.consumers import export as ex
 from placement.cli import main
 from placement.formats import placement_document, read_instance, write_instance, write_placement
 from placement.core.model import InfeasibleError, InvalidInputError, Placement

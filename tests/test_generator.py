@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement import generator
+from placement.sources import generator, generator_calibration
 from placement.sources.generator import describe_calibration, generate_routing
 
 SMALL = dict(num_layers=3, num_sources=4, tokens_per_source=16, num_windows=2, num_experts=32, top_k=4)
@@ -260,7 +260,8 @@ def test_describe_calibration_rejects_out_of_range_ids():
         describe_calibration(np.full((1, 2, 2, 2, 2), 9, dtype=np.uint16), 8)
 
 
-def test_docstring_examples():
-    result = doctest.testmod(generator, optionflags=doctest.NORMALIZE_WHITESPACE)
+@pytest.mark.parametrize("module", [generator, generator_calibration], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0
     assert result.failed == 0

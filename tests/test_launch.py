@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from placement import export as ex
+from placement.consumers import export as ex
 from placement import launch
 from placement.cli import main
 from placement.formats import placement_document, write_placement

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from placement import export as ex
+from placement.consumers import export as ex
 from placement.consumers.maxtext import MAXTEXT_MESH_AXES, maxtext_export
 from placement.core.model import InfeasibleError, Placement
 from tests.conftest import random_instance

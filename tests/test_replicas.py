@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement import export as ex
+from placement.consumers import export as ex
 from placement.cli import main
 from placement.formats import placement_document, read_placement, write_placement
 from placement.formats.replicas import replica_violations
