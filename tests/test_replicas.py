@@ -309,7 +309,7 @@ def test_sglang_refuses_the_counts_we_refuse(tmp_path, monkeypatch):
 
 
 def test_vllm_maps_reproduce_vllms_documented_example():
-    # vLLM's own example (vllm/distributed/eplb/eplb_data/eplb_data.py, EplbData field docs):
+    # vLLM's own example (vLLM 0.34.0, vllm/distributed/eplb/eplb_state.py, EplbModelState field docs):
     # 2 MoE layers, 6 physical and 4 logical experts on 3 EP ranks
     p2l = [[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]]
     want_l2p = [[[0, 4, -1], [1, 5, -1], [2, -1, -1], [3, -1, -1]],
