@@ -29,10 +29,12 @@ the solver return the best complete placement it has found so far; the result th
 
 Modules
 -------
-:mod:`~placement.api.solving` ``solve`` as named steps; :mod:`~placement.api.budget` the time
+:mod:`~placement.api.solving` ``solve`` as named steps over one :class:`SolveRequest`
+(:mod:`~placement.api.request`: the options, their defaults and checks); :mod:`~placement.api.budget` the time
 reserves and the work budget; :mod:`~placement.api.placements` load, check, score, verify and
 export placements; :mod:`~placement.api.results` a solve result as a placement file;
-:mod:`~placement.api.routing` recorded routing in; :mod:`~placement.api.cluster` discovery and
+:mod:`~placement.api.routing` recorded routing in; :mod:`~placement.api.calibration` the
+step-time model against measured runs; :mod:`~placement.api.cluster` discovery and
 allocations; :mod:`~placement.api.signals` SIGINT/SIGTERM around a solve.  Import names from
 ``placement.api`` (or ``placement``), not from these modules.
 """
@@ -46,9 +48,11 @@ from placement.api.budget import (
     SCORING_S_PER_EXPERT_ID,
     SPLIT_SCORING_RUNS,
     STARTUP_RESERVE_S,
+    answer_reserve_s,
     estimate_finish_s,
     solver_budget_s,
 )
+from placement.api.calibration import LogLadder, calibrate, cross_validate, ladder_from_logs
 from placement.api.cluster import (
     allocate,
     allocate_cluster,
@@ -59,18 +63,22 @@ from placement.api.cluster import (
     write_cluster,
 )
 from placement.api.placements import (
-    calibrate,
+    DefaultLayoutReport,
     check_placement,
+    default_layout_report,
+    default_placement,
     evaluate_placement,
     export_placement,
     load_instance,
     load_placement,
     predict_performance,
+    show_placement,
     solver_names,
     verify_placement,
 )
 from placement.api.results import result_document, result_pipeline_layout, save_result
-from placement.api.routing import import_routing, routing_stats, save_instance
+from placement.api.routing import import_routing, routing_drift, routing_stats, save_instance
+from placement.api.request import SolveRequest
 from placement.api.signals import Interrupted, SignalStop
 from placement.api.solving import solve
 
@@ -87,22 +95,32 @@ __all__ = [
     "evaluate_placement",
     "predict_performance",
     "calibrate",
+    "cross_validate",
+    "ladder_from_logs",
+    "LogLadder",
+    "default_placement",
+    "default_layout_report",
+    "DefaultLayoutReport",
+    "answer_reserve_s",
     "solver_names",
     "estimate_finish_s",
     "SPLIT_SCORING_RUNS",
     "solver_budget_s",
     "STARTUP_RESERVE_S",
     "solve",
+    "SolveRequest",
     "result_document",
     "result_pipeline_layout",
     "save_result",
     "verify_placement",
     "export_placement",
+    "show_placement",
     "Interrupted",
     "SignalStop",
     "import_routing",
     "save_instance",
     "routing_stats",
+    "routing_drift",
     "allocate",
     "allocate_cluster",
     "allocation_hosts",

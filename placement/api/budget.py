@@ -20,6 +20,7 @@ __all__ = [
     "MAX_SEED",
     "MAX_WORKERS",
     "estimate_finish_s",
+    "answer_reserve_s",
     "solver_budget_s",
 ]
 
@@ -74,3 +75,10 @@ def solver_budget_s(instance: Instance, time_limit_s: float) -> float:
     """
     scoring_s = estimate_finish_s(instance) - FINISH_RESERVE_S
     return max(0.0, time_limit_s - STARTUP_RESERVE_S - scoring_s - estimate_finish_s(instance)) / LOAD_HEADROOM
+
+
+def answer_reserve_s(scoring_s: float) -> float:
+    """The ``finish_reserve_s`` of a caller that timed one scoring on this machine (``scoring_s``
+    wall seconds, e.g. :func:`placement.api.default_layout_report`): :data:`FINISH_RESERVE_S` plus
+    1.5 scorings, for checking, scoring and writing the answer."""
+    return FINISH_RESERVE_S + 1.5 * scoring_s

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from placement.core.checker import check, check_or_raise
 from placement.core.model import Apply, Instance, InvalidInputError, Placement
@@ -15,18 +17,20 @@ from placement.predict.report import report
 
 if TYPE_CHECKING:
     from placement.app.verify import VerifyReport
-    from placement.predict.calibration import Calibration
 
 __all__ = [
+    "DefaultLayoutReport",
+    "default_placement",
+    "default_layout_report",
     "load_instance",
     "load_placement",
     "check_placement",
     "evaluate_placement",
     "predict_performance",
-    "calibrate",
     "solver_names",
     "verify_placement",
     "export_placement",
+    "show_placement",
 ]
 
 
@@ -102,27 +106,6 @@ def predict_performance(instance: Instance, placement: Placement, *, window: Win
     return StepTimeModel(instance).predict_metrics(metrics, placement.rank2gpu)
 
 
-def calibrate(
-    rows: str | os.PathLike[str] | None = None,
-    fit: Sequence[str] = ("gemm_efficiency", "gemm_half_shape", "fp8_gemm_ratio", "elementwise_bytes"),
-) -> Calibration:
-    """Predict the measured runs of a ladder file and fit the step-time model on its ``fit`` rows.
-
-    Parameters
-    ----------
-    rows : a ladder file (docs/formats.md); ``None`` = the published ladder shipped with the package.
-    fit : parameters to fit (:data:`placement.predict.calibration.FITTABLE`).
-
-    Returns
-    -------
-    :class:`placement.predict.calibration.Calibration`: every row's prediction and error, the fitted values,
-    the median absolute error of the rows not fitted and the fitted ``performance`` block.
-    """
-    from placement.predict.calibration import calibrate as _calibrate, default_ladder_path, read_ladder
-
-    return _calibrate(read_ladder(default_ladder_path() if rows is None else rows), fit)
-
-
 def solver_names() -> list[str]:
     """The registered solver names, sorted (what ``solver=`` accepts)."""
     from solvers import SOLVERS
@@ -178,3 +161,53 @@ def export_placement(
     from placement.consumers.export import export_file
 
     return export_file(fmt, placement_path, output_path, instance_path, keep_router=keep_router, apply=apply)
+
+
+def default_placement(instance: Instance) -> Placement:
+    """The default layout: ranks in order on the available GPUs, each rank's experts contiguous
+    (:func:`solvers.default.default_placement`), what every solve is compared against."""
+    from solvers.default import default_placement as _default_placement
+
+    return _default_placement(instance)
+
+
+@dataclass(frozen=True)
+class DefaultLayoutReport:
+    """The evaluator's report of the default layout and the wall seconds it took.
+
+    metrics : :func:`placement.predict.report.report` of :func:`default_placement` (both windows).
+    scoring_s : wall seconds of that report: what scoring a solver's answer will take on this
+        machine (:func:`placement.api.budget.answer_reserve_s` keeps it back from the solver).
+    """
+
+    metrics: dict[str, Any]
+    scoring_s: float
+
+
+def default_layout_report(instance: Instance) -> DefaultLayoutReport:
+    """Score the default layout (the baseline ``placement solve`` prints beside its answer), timed."""
+    t0 = time.monotonic()
+    metrics = report(instance, default_placement(instance))
+    return DefaultLayoutReport(metrics, time.monotonic() - t0)
+
+
+def show_placement(
+    placement_path: str | os.PathLike[str],
+    instance_path: str | os.PathLike[str] | None,
+    output_path: str | os.PathLike[str] | None = None,
+    *,
+    window: Window | None = None,
+) -> Path:
+    """Draw a placement file (or ``"default"``: the default layout) as a rack map, PNG or SVG by
+    the suffix of ``output_path`` (default: beside the placement file, ``.png``), written
+    atomically; returns the path written (:func:`placement.app.show.show_files`).
+
+    Raises
+    ------
+    InvalidInputError
+        A missing or malformed file, a wrong suffix, a placement made for another instance or one
+        the checker rejects; nothing is written.
+    """
+    from placement.app.show import show_files
+
+    return show_files(placement_path, instance_path, output_path, window=window)

@@ -14,8 +14,12 @@ if TYPE_CHECKING:
 __all__ = ["result_document", "result_pipeline_layout", "save_result"]
 
 
-def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
-    """The placement-file document of a solve result (deterministic: no wall-clock values)."""
+def result_document(instance: Instance, result: SolveResult, *, allocation: str | None = None) -> dict[str, Any]:
+    """The placement-file document of a solve result (deterministic: no wall-clock values).
+
+    ``allocation``: the host list the instance was restricted to (:func:`placement.api.allocate`),
+    recorded as ``solve.details.allocation`` with the GPUs it holds.
+    """
     solve_info = {
         "status": result.status,
         "objective_bytes": float(result.objective_bytes),
@@ -23,7 +27,7 @@ def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
         "gap": result.gap,
         "details": {k: v for k, v in result.details.items() if k != "replicas"},
     }
-    return placement_document(
+    doc = placement_document(
         instance,
         result.placement,
         solver=result.solver,
@@ -37,6 +41,9 @@ def result_document(instance: Instance, result: SolveResult) -> dict[str, Any]:
         replicas=result.details.get("replicas"),
         pipeline_layout=result_pipeline_layout(instance, result),
     )
+    if allocation is not None:  # which hosts the placement was solved for
+        doc["solve"]["details"]["allocation"] = {"hosts": allocation, "gpus": int(instance.cluster.available.sum())}
+    return doc
 
 
 def result_pipeline_layout(instance: Instance, result: SolveResult) -> tuple[str, ...]:
@@ -44,6 +51,8 @@ def result_pipeline_layout(instance: Instance, result: SolveResult) -> tuple[str
     return result.placement.pipeline_layout or instance.parallel.pipeline_layout
 
 
-def save_result(instance: Instance, result: SolveResult, path: str | os.PathLike[str]) -> None:
-    """Write the placement file of ``result`` atomically (a reader never sees a partial file)."""
-    write_placement(path, result_document(instance, result))
+def save_result(instance: Instance, result: SolveResult, path: str | os.PathLike[str], *,
+                allocation: str | None = None) -> None:
+    """Write the placement file of ``result`` atomically (a reader never sees a partial file);
+    ``allocation`` as in :func:`result_document`."""
+    write_placement(path, result_document(instance, result, allocation=allocation))

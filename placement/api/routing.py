@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 from placement.core.model import Instance, InvalidInputError
 
-__all__ = ["import_routing", "save_instance", "routing_stats"]
+__all__ = ["import_routing", "save_instance", "routing_stats", "routing_drift"]
 
 
 def import_routing(
@@ -88,3 +88,21 @@ def routing_stats(instance: Instance, *, distance: int = 1) -> dict[str, Any]:
     if isinstance(distance, bool) or not isinstance(distance, int) or distance < 1:
         raise InvalidInputError(f"distance: expected a positive integer, found {distance!r}")
     return _stats(instance, distance=distance)
+
+
+def routing_drift(instance: Instance, other: Instance, *, where: str | None = None) -> dict[str, Any]:
+    """How the routing of ``other`` differs from ``instance``'s on their fit windows (load TV, top-8
+    partners kept; :func:`placement.core.stats.routing_drift`).
+
+    Raises
+    ------
+    InvalidInputError
+        The two instances do not have the same MoE layers and experts; the message starts with
+        ``where`` (default: ``other``'s name).
+    """
+    from placement.core.stats import routing_drift as _drift
+
+    try:
+        return _drift(instance, other)
+    except ValueError as exc:
+        raise InvalidInputError(f"{other.name if where is None else where}: {exc}") from None

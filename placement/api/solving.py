@@ -1,167 +1,99 @@
-"""``solve``: check the request, run a registered solver, check and score its answer."""
+"""``solve`` as named steps over one :class:`~placement.api.request.SolveRequest`.
+
+The flow, in the order :func:`solve` runs it::
+
+    request -> choose_consumer -> check_request -> move_request -> solver_options   (the plan)
+            -> run_solver                                                          (the search)
+            -> check_answer -> choose_pipeline_split -> score -> record_params
+            -> mark_interrupted -> add_replicas -> add_moves                       (ANSWER_STEPS)
+
+Each step takes typed values and returns one; the answer steps share one signature
+``step(instance, plan, result) -> result`` and are listed once, in :data:`ANSWER_STEPS`.  Nothing
+here prints; every error is a :class:`~placement.core.model.PlacementError`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import threading
+import inspect
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from placement.api.budget import DEFAULT_SOLVER, MAX_SEED, MAX_WORKERS, estimate_finish_s, solver_budget_s
+from placement.api.budget import estimate_finish_s, solver_budget_s
+from placement.api.request import SolveRequest, check_request, move_request, solve_request
 from placement.core.checker import check
-from placement.core.model import Apply, InfeasibleError, Instance, InvalidInputError, Placement, PlacementError, SolverError
+from placement.core.model import Apply, InfeasibleError, Instance, PlacementError, SolverError
 from placement.predict.report import report
 
 if TYPE_CHECKING:  # solvers imports placement: import it lazily at run time
-    from solvers.base import Consumer, Fit, LayoutMode, Objective, SolveResult
+    from placement.predict.moves import MoveRequest
+    from solvers.base import Consumer, SolveOptions, SolveResult
 
-__all__ = ["solve"]
-
-
-def _check_arguments(
-    solver: str,
-    time_limit_s: float,
-    seed: int,
-    num_workers: int | None,
-    consumer: str,
-    group_preserving: bool | None,
-    objective: str,
-    layout: str,
-    finish_reserve_s: float | None,
-    apply: str | None = None,
-) -> None:
-    from placement.core.model import APPLY_MODES
-    from solvers import CONSUMERS, LAYOUT_MODES, OBJECTIVES, SOLVERS
-
-    def choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
-        if not isinstance(value, str) or value not in choices:
-            raise InvalidInputError(f"{name}: expected one of {', '.join(choices)}, found {value!r}")
-
-    choice("solver", solver, sorted(SOLVERS))
-    choice("consumer", consumer, CONSUMERS)
-    choice("objective", objective, OBJECTIVES)
-    choice("layout", layout, LAYOUT_MODES)
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
-        math.isfinite(time_limit_s) and time_limit_s > 0
-    ):
-        raise InvalidInputError(f"time_limit_s: expected a positive, finite number of seconds, found {time_limit_s!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise InvalidInputError(f"seed: expected an integer in [0, {MAX_SEED}], found {seed!r}")
-    if num_workers is not None and (
-        isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS
-    ):
-        raise InvalidInputError(f"num_workers: expected an integer in [1, {MAX_WORKERS}] or None, found {num_workers!r}")
-    if group_preserving not in (None, True, False):
-        raise InvalidInputError(f"group_preserving: expected True, False or None, found {group_preserving!r}")
-    if apply is not None:
-        choice("apply", apply, APPLY_MODES)
-    if finish_reserve_s is not None and not (math.isfinite(finish_reserve_s) and finish_reserve_s >= 0):
-        raise InvalidInputError(f"finish_reserve_s: expected a non-negative number of seconds, found {finish_reserve_s!r}")
+__all__ = [
+    "ConsumerChoice",
+    "SolvePlan",
+    "ANSWER_STEPS",
+    "solve",
+    "choose_consumer",
+    "solver_options",
+    "run_solver",
+    "check_answer",
+    "choose_pipeline_split",
+    "score",
+    "record_params",
+    "mark_interrupted",
+    "add_replicas",
+    "add_moves",
+]
 
 
-def solve(
-    instance: Instance,
-    *,
-    solver: str = DEFAULT_SOLVER,
-    time_limit_s: float = 60.0,
-    wall_limit_s: float | None = None,
-    seed: int = 0,
-    num_workers: int | None = None,
-    consumer: Consumer | None = None,
-    group_preserving: bool | None = None,
-    apply: Apply | None = None,
-    objective: Objective = "step_time",
-    layout: LayoutMode = "optimize",
-    progress: Callable[[str], None] | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
-    started_at: float | None = None,
-    stop_event: threading.Event | None = None,
-    finish_reserve_s: float | None = None,
-    previous: Placement | None = None,
-    max_moved_bytes: float | None = None,
-    move_cost: float | None = None,
-    expert_params: int | None = None,
-    sharded_optimizer: bool = True,
-    fit: Fit = "robust",
-    redundant_experts: int = 0,
-    replica_rule: str = "search",
-    pipeline_split: bool = True,
-) -> SolveResult:
+@dataclass(frozen=True)
+class ConsumerChoice:
+    """The rank-layout rule of the dispatcher a solve uses.
+
+    consumer : ``none``, ``deepep`` or ``hybridep``.
+    defaulted : True when it follows the instance's ``performance.dispatcher`` (no ``consumer`` asked).
+    fallback : why HybridEP's equal-slice rule was dropped for ``none`` (recorded in the result's
+        ``params["consumer_fallback"]``), else None.
+    """
+
+    consumer: Consumer
+    defaulted: bool
+    fallback: str | None = None
+
+
+@dataclass(frozen=True)
+class SolvePlan:
+    """A request resolved against its instance: what the solver is handed, and what the answer steps read.
+
+    request : the options as asked.
+    started_at : the ``time.monotonic()`` instant the budget counts from.
+    consumer : the rank-layout rule (:func:`choose_consumer`).
+    apply : how the expert maps reach the job, resolved (``runtime`` or ``checkpoint``).
+    moves : the checked re-placement, or None.
+    options : the solver's :class:`solvers.base.SolveOptions` (work budget, deadline, ...).
+    """
+
+    request: SolveRequest
+    started_at: float
+    consumer: ConsumerChoice
+    apply: Apply
+    moves: MoveRequest | None
+    options: SolveOptions
+
+
+def solve(instance: Instance, options: SolveRequest | None = None, **kwargs: Any) -> SolveResult:
     """Solve ``instance`` with a registered solver, check the answer and score it.
 
     Parameters
     ----------
     instance : the problem; the solver sees :meth:`~placement.core.model.Instance.for_solver` (no
         held-out window), the evaluator scores both windows.
-    solver : a name from :func:`solver_names`.
-    time_limit_s : wall-clock budget of the whole call, counted from ``started_at``; the solver
-        works for :func:`solver_budget_s` and returns by the wall deadline at the latest.
-    wall_limit_s : the wall-clock safety net when it should differ from ``time_limit_s`` (default:
-        ``time_limit_s``): the call returns by ``started_at + wall_limit_s`` while its work is still
-        sized by ``time_limit_s`` alone (:func:`solver_budget_s`).  ``placement.plan`` gives its
-        solves a net a few times their budget, so that a loaded machine does not cut them; when the
-        net does cut some work, ``SolveResult.wall_clock_cut`` says so.
-    seed : random seed in ``[0, MAX_SEED]``; the same instance, seed and options give the same
-        placement when the solver finishes before its deadline.
-    num_workers : solver threads/processes, ``[1, MAX_WORKERS]``; default: the cores available to
-        this process (CPU affinity, capped by a cgroup CPU quota).
-    consumer : ``none``, ``deepep`` or ``hybridep``: the rank-layout rule of the dispatcher;
-        ``None`` (the default) follows the instance's ``performance.dispatcher``
-        (:func:`solvers.base.default_consumer`: ``hybridep``/``deepep`` -> that rule, else ``none``).
-    apply : how the expert maps reach the job: ``runtime`` (a dispatch-time map:
-        :mod:`placement.consumers.runtime` hooks for Megatron-Core and TorchTitan with a keep-router checkpoint
-        permutation, SGLang's and vLLM's expert maps; any map is valid) or ``checkpoint`` (router and
-        experts renumbered offline; under group-limited routing the maps keep expert groups whole);
-        ``None``: the instance's ``apply`` field, else ``runtime``.
-    group_preserving : an explicit override of the expert-map mode (``None``, the default, follows
-        ``apply``: group-preserving exactly under ``checkpoint`` and group-limited routing).  True
-        restricts a ``runtime`` solve to group-preserving maps; False with ``checkpoint`` under
-        group-limited routing is refused (the checkpoint permutation would change the routing);
-        False with ``runtime`` fits free maps (by default a ``runtime`` solve under group-limited
-        routing fits group-preserving maps, then weighs free ones in the step-time check:
-        :meth:`solvers.base.SolveOptions.fit_groups_whole`).
-    objective : ``step_time`` (default: predicted step time, bytes break ties; ``total`` on an
-        instance without a ``performance`` block), ``total`` cross-domain bytes or the
-        ``bottleneck`` (slowest stage's busiest NIC).
-    layout : ``optimize`` the rank -> GPU map, or keep the default one (``fixed``).
-    progress : called with one-line progress messages (never printed by the library).
-    on_progress : called with ``(MoE layers whose expert map is finished, MoE layers to place)`` as
-        layers finish (``cpsat``; a :data:`placement.core.progress.ProgressCallback`, e.g. a bar's
-        ``report``); it only observes, the placement does not depend on it.
-    started_at : ``time.monotonic()`` instant the budget started (default: now).
-    stop_event : when set (by another thread, a signal handler), the solver returns the best
-        placement found so far; ``details["interrupted"]`` is then True.
-    finish_reserve_s : seconds kept back for checking and scoring; default
-        :func:`estimate_finish_s`.
-    previous : re-place against this placement (same instance shape; ``cpsat`` only): the rank
-        layout stays ``previous.rank2gpu`` (``layout`` is not searched) and only expert maps change,
-        each moved expert replica costing its weights and optimizer state (:mod:`placement.predict.moves`).
-        ``details["moves"]`` reports what moves and the steps to pay it back.
-    max_moved_bytes : with ``previous``, a hard budget on the bytes moved (cross-rack plus NVLink)
-        over the whole placement; 0 returns ``previous`` itself.
-    move_cost : with ``previous``, the weight ``W`` of a moved byte in per-step all-to-all bytes
-        (``1/N`` amortises the move over ``N`` steps; NVLink bytes weigh ``scaleout/nvlink`` as
-        much).  Neither given: moves are free but ties keep experts in place.
-    expert_params : parameters per routed expert (default: from the ``performance`` block).
-    sharded_optimizer : the optimizer state is sharded over each expert's replicas (Megatron's
-        distributed optimizer); False: every replica holds it whole.
-    fit : over several time-ordered sampled windows (``routing.window_tokens``), the expert maps'
-        objective: ``robust`` (default) the worst window, ``mean`` their sum, ``latest`` the latest
-        window only; the guard against the default map judges on the latest window.  No effect on
-        an instance with one sampled window.
-    redundant_experts : ``N`` extra expert slots per MoE layer (SGLang's
-        ``--ep-num-redundant-experts``), ``N / ep`` per GPU; ``E + N`` must divide over ``ep``.  The
-        replicas are chosen after the permutation by ``replica_rule`` (``search``, the default:
-        :mod:`solvers.replica_search`; ``hottest`` or ``eplb``: :mod:`placement.core.replicas`) and
-        returned in ``details["replicas"]``, which the placement file holds as its ``replicas``
-        block, with the evaluator's figures priced with them under ``priced``
-        (:func:`placement.predict.report.report` with ``replicas=``; ``metrics`` stay the permutation's).
-    pipeline_split : with the ``step_time`` objective, a performance block, ``pp > 1`` and no
-        ``previous``, choose the pipeline layer split for the answer's placement
-        (:func:`placement.predict.pipeline_split.choose_layout`; never slower than the instance's split on
-        the sampled window); ``details["pipeline_layout"]`` reports the candidates and the metrics
-        are those of the chosen layout.  False keeps the instance's split.
+    options : a :class:`~placement.api.request.SolveRequest` (default: every option at its default).
+    **kwargs : any field of :class:`~placement.api.request.SolveRequest` (``solver``,
+        ``time_limit_s``, ``seed``, ``objective``, ...; see its docstring for each), replacing the
+        field of ``options``.
 
     Returns
     -------
@@ -170,6 +102,8 @@ def solve(
 
     Raises
     ------
+    TypeError
+        A keyword that is not an option.
     InvalidInputError
         A bad argument (the message names it).
     InfeasibleError
@@ -177,157 +111,213 @@ def solve(
     SolverError
         The solver failed or returned an invalid placement.
     """
-    from solvers import SolveOptions, get_solver
-    from solvers.base import default_workers
+    request = solve_request(options, kwargs)
+    started_at = time.monotonic() if request.started_at is None else request.started_at
+    # Step 1: the request, checked and resolved against the instance.
+    consumer = choose_consumer(instance, request)
+    apply = check_request(instance, request, consumer.consumer)
+    moves = move_request(instance, request, apply)
+    plan = SolvePlan(request, started_at, consumer, apply, moves,
+                     solver_options(instance, request, consumer, apply, moves, started_at))
+    # Step 2: the search.
+    result = run_solver(instance, plan)
+    # Step 3: the answer, checked, completed and scored.
+    for step in ANSWER_STEPS:
+        result = step(instance, plan, result)
+    return dataclasses.replace(result, wall_s=time.monotonic() - started_at)
 
-    start = time.monotonic() if started_at is None else started_at
+
+def _signature() -> inspect.Signature:
+    """``solve``'s signature with every option as a keyword (what ``help`` and ``inspect`` show)."""
+    own = inspect.signature(solve)
+    keywords = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                for f in dataclasses.fields(SolveRequest)]
+    return own.replace(parameters=[own.parameters["instance"], own.parameters["options"], *keywords])
+
+
+setattr(solve, "__signature__", _signature())  # setattr: mypy knows no __signature__ on a function
+
+
+def choose_consumer(instance: Instance, request: SolveRequest) -> ConsumerChoice:
+    """The dispatcher's rank-layout rule: ``request.consumer``, else the instance's dispatcher.
+
+    HybridEP's equal-slice rule is dropped for ``none`` when it was not asked for and either the
+    rank layout is kept (``layout fixed`` or a re-placement) or no layout of the free GPUs can
+    hold it (decided on the instance alone, so that the solve's work budget is not split).
+    """
     from solvers.base import default_consumer
 
-    consumer_defaulted = consumer is None
-    consumer = default_consumer(instance) if consumer is None else consumer
-    consumer_fallback: str | None = None
-    if consumer_defaulted and consumer == "hybridep":
+    if request.consumer is not None:
+        return ConsumerChoice(request.consumer, defaulted=False)
+    consumer = default_consumer(instance)
+    if consumer == "hybridep":
         from solvers.layout.rules import equal_slices_possible
 
-        if layout == "fixed" or previous is not None:
-            consumer_fallback = ("performance.dispatcher hybridep: the rank layout is kept, so HybridEP runs each EP "
-                                 "group with the nodes it forms")
-            consumer = "none"
-        elif not equal_slices_possible(instance):
+        if request.layout == "fixed" or request.previous is not None:
+            return ConsumerChoice("none", True, "performance.dispatcher hybridep: the rank layout is kept, so HybridEP "
+                                                "runs each EP group with the nodes it forms")
+        if not equal_slices_possible(instance):
             # Laid out freely instead of refused (docs/design.md, "The dispatcher's node rule"): HybridEP
             # runs an unequal EP group with nodes of the gcd of its runs, which the evaluator prices and
-            # ``export --format hybridep`` writes per rank.  Decided before the solve, on the instance
-            # alone, so the solve's work budget is not split.
-            consumer_fallback = ("performance.dispatcher hybridep: no layout of the free GPUs gives every EP group "
-                                 "equal consecutive slices per NVLink domain, so the layout is free and HybridEP runs "
-                                 "unequal groups with smaller nodes")
-            consumer = "none"
-    _check_arguments(
-        solver, time_limit_s, seed, num_workers, consumer, group_preserving, objective, layout, finish_reserve_s,
-        apply,
-    )
-    from solvers.base import resolve_apply
+            # ``export --format hybridep`` writes per rank.
+            return ConsumerChoice("none", True, "performance.dispatcher hybridep: no layout of the free GPUs gives "
+                                                "every EP group equal consecutive slices per NVLink domain, so the "
+                                                "layout is free and HybridEP runs unequal groups with smaller nodes")
+    return ConsumerChoice(consumer, defaulted=True)
 
-    apply = resolve_apply(instance, apply)
-    if group_preserving is False and apply == "checkpoint" and instance.model.group_limited:
-        raise InvalidInputError("group_preserving: free maps cannot be applied by a checkpoint permutation under "
-                                "group-limited routing (apply checkpoint); use apply runtime (placement.consumers.runtime hooks)")
-    from solvers.base import FITS
 
-    if wall_limit_s is not None and (isinstance(wall_limit_s, bool) or not isinstance(wall_limit_s, (int, float))
-                                     or not (math.isfinite(wall_limit_s) and wall_limit_s > 0)):
-        raise InvalidInputError(f"wall_limit_s: expected a positive, finite number of seconds, found {wall_limit_s!r}")
+def solver_options(instance: Instance, request: SolveRequest, consumer: ConsumerChoice, apply: Apply,
+                   moves: MoveRequest | None, started_at: float) -> SolveOptions:
+    """The solver's options: the work budget (:func:`~placement.api.budget.solver_budget_s`, from the
+    limit and the instance's size alone) and the wall deadline (the limit, or ``wall_limit_s``, less the
+    finishing reserve).  A re-placement keeps the previous rank layout (``layout`` fixed)."""
+    from solvers import SolveOptions
+    from solvers.base import default_workers
 
-    if not isinstance(fit, str) or fit not in FITS:
-        raise InvalidInputError(f"fit: expected one of {', '.join(FITS)}, found {fit!r}")
-    from placement.core.checker import etp_violations
-
-    etp_problems = etp_violations(instance)  # the reader refuses these too; an in-memory instance may not
-    if etp_problems:
-        raise InvalidInputError(etp_problems[0])
-    if redundant_experts or replica_rule != "search":
-        from placement.core.replicas import REPLICA_RULES, check_redundant_experts
-
-        check_redundant_experts(instance.model.num_experts, instance.parallel.ep, redundant_experts)
-        if replica_rule not in REPLICA_RULES:
-            raise InvalidInputError(f"replica_rule: expected one of {', '.join(REPLICA_RULES)}, found {replica_rule!r}")
-    fn = get_solver(solver)
-    move_request = None
-    if previous is not None or max_moved_bytes is not None or move_cost is not None:
-        move_request = _move_request(instance, solver, previous, max_moved_bytes, move_cost, expert_params,
-                                     sharded_optimizer, group_preserving, apply)
-        layout = "fixed"  # the previous rank layout is kept (solvers/cpsat.py choose_rank2gpu)
-    reserve = estimate_finish_s(instance) if finish_reserve_s is None else finish_reserve_s
-    options = SolveOptions(
-        time_limit_s=time_limit_s,
-        work_budget_s=solver_budget_s(instance, time_limit_s),
-        seed=seed,
-        num_workers=num_workers or default_workers(),
-        consumer=consumer,
-        group_preserving=group_preserving,
+    r = request
+    reserve = estimate_finish_s(instance) if r.finish_reserve_s is None else r.finish_reserve_s
+    return SolveOptions(
+        time_limit_s=r.time_limit_s,
+        work_budget_s=solver_budget_s(instance, r.time_limit_s),
+        seed=r.seed,
+        num_workers=r.num_workers or default_workers(),
+        consumer=consumer.consumer,
+        group_preserving=r.group_preserving,
         apply=apply,
-        objective=objective,
-        layout=layout,
+        objective=r.objective,
+        layout="fixed" if moves is not None else r.layout,  # solvers/cpsat.py choose_rank2gpu keeps previous's
         # May already have passed (loading ate the budget): solvers then return what they have.
-        deadline=start + (time_limit_s if wall_limit_s is None else wall_limit_s) - reserve,
-        progress=progress,
-        on_progress=on_progress,
-        stop_event=stop_event,
-        moves=move_request,
-        fit=fit,
+        deadline=started_at + (r.time_limit_s if r.wall_limit_s is None else r.wall_limit_s) - reserve,
+        progress=r.progress,
+        on_progress=r.on_progress,
+        stop_event=r.stop_event,
+        moves=moves,
+        fit=r.fit,
     )
+
+
+def run_solver(instance: Instance, plan: SolvePlan) -> SolveResult:
+    """Run the registered solver on the solver's view of ``instance`` (no held-out window).
+
+    Raises
+    ------
+    InfeasibleError
+        As the solver raised it; when the consumer rule came from the instance's dispatcher, the
+        message says how to lay the job out freely.
+    SolverError
+        Any other exception of the solver (a bug still reaches the caller as a PlacementError).
+    """
+    from solvers import get_solver
+
+    solver = plan.request.solver
+    consumer = plan.consumer
     try:
-        result = fn(instance.for_solver(), options)
+        return get_solver(solver)(instance.for_solver(), plan.options)
     except InfeasibleError as exc:
-        if consumer_defaulted and consumer != "none":
+        if consumer.defaulted and consumer.consumer != "none":
             # Refused, not laid out freely: see docs/design.md ("The dispatcher's node rule").
-            raise InfeasibleError(f"{exc} (consumer {consumer} follows performance.dispatcher; pass consumer "
-                                  "none to lay the job out freely: HybridEP then runs unequal EP groups with "
-                                  "smaller nodes, priced and exported as such)") from exc
+            raise InfeasibleError(f"{exc} (consumer {consumer.consumer} follows performance.dispatcher; pass "
+                                  "consumer none to lay the job out freely: HybridEP then runs unequal EP groups "
+                                  "with smaller nodes, priced and exported as such)") from exc
         raise
     except PlacementError:
         raise
     except Exception as exc:  # noqa: BLE001 - a solver bug must still reach the caller as a PlacementError
         raise SolverError(f"solver {solver!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def check_answer(instance: Instance, plan: SolvePlan, result: SolveResult) -> SolveResult:
+    """The independent checker (:func:`placement.core.checker.check`) on the solver's placement.
+
+    Raises
+    ------
+    SolverError
+        The placement violates the instance (the first violation is named).
+    """
     problems = check(instance, result.placement)
     if problems:
-        raise SolverError(f"solver {solver!r} returned an invalid placement: {problems[0]}")
-    details = dict(result.details)
-    if (pipeline_split and objective == "step_time" and instance.performance is not None and instance.parallel.pp > 1
-            and move_request is None):
-        from placement.predict.pipeline_split import choose_layout
+        raise SolverError(f"solver {plan.request.solver!r} returned an invalid placement: {problems[0]}")
+    return result
 
-        choice = choose_layout(instance, result.placement)
-        details["pipeline_layout"] = choice.to_dict()
-        result = dataclasses.replace(result, placement=dataclasses.replace(result.placement, pipeline_layout=choice.chunks))
-    metrics = report(instance, result.placement)
-    params = {**result.params, "seed": seed, "time_limit_s": time_limit_s}
-    if consumer_fallback is not None:
-        params["consumer_fallback"] = consumer_fallback
+
+def choose_pipeline_split(instance: Instance, plan: SolvePlan, result: SolveResult) -> SolveResult:
+    """The pipeline layer split for the answer (:func:`placement.predict.pipeline_split.choose_layout`).
+
+    Only with the ``step_time`` objective, a performance block, ``pp > 1``, no re-placement and
+    ``pipeline_split`` asked; ``details["pipeline_layout"]`` reports the candidates.
+    """
+    r = plan.request
+    if not (r.pipeline_split and r.objective == "step_time" and instance.performance is not None
+            and instance.parallel.pp > 1 and plan.moves is None):
+        return result
+    from placement.predict.pipeline_split import choose_layout
+
+    choice = choose_layout(instance, result.placement)
+    return dataclasses.replace(result, details={**result.details, "pipeline_layout": choice.to_dict()},
+                               placement=dataclasses.replace(result.placement, pipeline_layout=choice.chunks))
+
+
+def score(instance: Instance, plan: SolvePlan, result: SolveResult) -> SolveResult:
+    """The evaluator's report of the answer, both windows (:func:`placement.predict.report.report`)."""
+    return dataclasses.replace(result, metrics=report(instance, result.placement))
+
+
+def record_params(instance: Instance, plan: SolvePlan, result: SolveResult) -> SolveResult:
+    """The parameters that, with the solver's own, reproduce the placement: seed, limit, the
+    consumer fallback and (with several sampled windows) the fit."""
+    r = plan.request
+    params = {**result.params, "seed": r.seed, "time_limit_s": r.time_limit_s}
+    if plan.consumer.fallback is not None:
+        params["consumer_fallback"] = plan.consumer.fallback
     if instance.routing.num_windows > 1:  # the fit matters only with several sampled windows
-        params["fit"] = fit
-    if stop_event is not None and stop_event.is_set():
-        details["interrupted"] = True
-    if redundant_experts:  # the replica block of the placement file (placement/formats/replicas.py)
-        from placement.app.replica_block import replicas_block
-
-        details["replicas"] = replicas_block(instance, result.placement, redundant_experts, replica_rule, seed=seed)
-    if move_request is not None:  # what the re-placement moves and gains (placement/predict/moves.py)
-        from placement.predict.moves import move_report, replica_state_bytes
-
-        bpr = replica_state_bytes(instance, params=expert_params, sharded_optimizer=sharded_optimizer)
-        details["moves"] = {**details.get("moves", {}), **move_report(
-            instance, move_request.previous, result.placement, bytes_per_replica=bpr, metrics=metrics)}
-        params.update(previous=True, max_moved_bytes=max_moved_bytes, move_cost=move_cost,
-                      sharded_optimizer=sharded_optimizer, bytes_per_replica=bpr)
-    return dataclasses.replace(
-        result, params=params, details=details, metrics=metrics, wall_s=time.monotonic() - start
-    )
+        params["fit"] = r.fit
+    return dataclasses.replace(result, params=params)
 
 
-def _move_request(instance: Instance, solver: str, previous: Placement | None, max_moved_bytes: float | None,
-                  move_cost: float | None, expert_params: int | None, sharded_optimizer: bool,
-                  group_preserving: bool | None, apply: Apply) -> Any:
-    """The checked :class:`placement.predict.moves.MoveRequest` of a re-placement (one-line errors naming the field)."""
-    from placement.predict.moves import MoveRequest, check_previous, replica_state_bytes
-    from solvers.kernels import keeps_expert_groups
+def mark_interrupted(instance: Instance, plan: SolvePlan, result: SolveResult) -> SolveResult:
+    """``details["interrupted"] = True`` when the stop event was set: the best placement so far."""
+    stop_event = plan.request.stop_event
+    if stop_event is None or not stop_event.is_set():
+        return result
+    return dataclasses.replace(result, details={**result.details, "interrupted": True})
 
-    if previous is None:
-        raise InvalidInputError("previous: max_moved_bytes and move_cost need the previous placement")
-    if solver != "cpsat":
-        raise InvalidInputError(f"solver: only cpsat re-places against a previous placement, found {solver!r}")
-    if not isinstance(previous, Placement):
-        raise InvalidInputError(f"previous: expected a Placement, found {type(previous).__name__}")
-    check_previous(instance, previous, "previous")
-    if sharded_optimizer not in (True, False):
-        raise InvalidInputError(f"sharded_optimizer: expected True or False, found {sharded_optimizer!r}")
-    request = MoveRequest(previous, max_moved_bytes, move_cost, expert_params, bool(sharded_optimizer))
-    replica_state_bytes(instance, params=expert_params)  # the expert size must be known
-    from solvers.base import group_preserving_default
 
-    gp = group_preserving_default(instance, apply) if group_preserving is None else group_preserving
-    if gp and instance.model.num_groups > 1 and not keeps_expert_groups(previous.phy2log,
-                                                                       instance.model.experts_per_group):
-        raise InvalidInputError("previous: phy2log: the previous expert maps break expert groups and this solve "
-                                "is group-preserving (apply checkpoint); re-place with apply runtime")
-    return request
+def add_replicas(instance: Instance, plan: SolvePlan, result: SolveResult) -> SolveResult:
+    """With ``redundant_experts``, the replica block of the placement file
+    (placement/formats/replicas.py) in ``details["replicas"]``, priced with the replicas."""
+    r = plan.request
+    if not r.redundant_experts:
+        return result
+    from placement.app.replica_block import replicas_block
+
+    block = replicas_block(instance, result.placement, r.redundant_experts, r.replica_rule, seed=r.seed)
+    return dataclasses.replace(result, details={**result.details, "replicas": block})
+
+
+def add_moves(instance: Instance, plan: SolvePlan, result: SolveResult) -> SolveResult:
+    """With a re-placement, what it moves and gains (placement/predict/moves.py) in
+    ``details["moves"]``, and the move's options in ``params``."""
+    moves = plan.moves
+    if moves is None:
+        return result
+    from placement.predict.moves import move_report, replica_state_bytes
+
+    r = plan.request
+    bpr = replica_state_bytes(instance, params=r.expert_params, sharded_optimizer=r.sharded_optimizer)
+    details = {**result.details, "moves": {**result.details.get("moves", {}), **move_report(
+        instance, moves.previous, result.placement, bytes_per_replica=bpr, metrics=result.metrics)}}
+    params = {**result.params, "previous": True, "max_moved_bytes": r.max_moved_bytes, "move_cost": r.move_cost,
+              "sharded_optimizer": r.sharded_optimizer, "bytes_per_replica": bpr}
+    return dataclasses.replace(result, details=details, params=params)
+
+
+#: The steps every answer passes through, in order: ``step(instance, plan, result) -> result``.
+ANSWER_STEPS: tuple[Callable[[Instance, SolvePlan, SolveResult], SolveResult], ...] = (
+    check_answer,
+    choose_pipeline_split,
+    score,
+    record_params,
+    mark_interrupted,
+    add_replicas,
+    add_moves,
+)

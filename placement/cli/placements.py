@@ -12,8 +12,7 @@ from placement.cli.printing import _summary_lines
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from placement.api import evaluate_placement, load_instance, load_placement
-    from solvers.default import default_placement
+    from placement.api import default_placement, evaluate_placement, load_instance, load_placement
 
     instance = load_instance(args.instance)
     if args.placement == "default":
@@ -36,12 +35,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
-    from placement.consumers.export import LaunchWarning, export_file
+    from placement.api import export_placement
+    from placement.consumers.export import LaunchWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LaunchWarning)
-        files = export_file(args.format, args.placement, args.output, args.instance, keep_router=args.keep_router,
-                            apply=args.apply)
+        files = export_placement(args.format, args.placement, args.output, args.instance,
+                                 keep_router=args.keep_router, apply=args.apply)
     for w in caught:
         if issubclass(w.category, LaunchWarning):
             print(f"placement: warning: {_one_line(str(w.message))}", file=sys.stderr)
@@ -53,9 +53,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from placement.app.verify import verify_files
+    from placement.api import verify_placement
 
-    rep = verify_files(args.instance, args.placement)
+    rep = verify_placement(args.instance, args.placement)
     if rep.violations:
         n = len(rep.violations)
         print(f"placement: verify: {n} violation{'s' if n != 1 else ''} in {args.placement}", file=sys.stderr)
@@ -69,8 +69,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from placement.app.show import show_files
+    from placement.api import show_placement
 
-    out = show_files(args.placement, args.instance, args.output, window=args.window)
+    out = show_placement(args.placement, args.instance, args.output, window=args.window)
     print(f"wrote {out} (rack map, {out.stat().st_size:,} bytes)")
     return EXIT_OK

@@ -67,9 +67,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         if args.from_logs:
             raise InvalidInputError("--cross-validate: not with --from-logs (write the rows with --write-rows, then "
                                     "cross-validate that file)")
-        from placement.predict.calibration import cross_validate, default_ladder_path, format_cross_validation, read_ladder
+        from placement.api import cross_validate
+        from placement.predict.calibration import format_cross_validation
 
-        cv = cross_validate(read_ladder(args.rows or default_ladder_path()), fit)
+        cv = cross_validate(args.rows, fit)
         print(format_cross_validation(cv))
         if args.output:
             atomic_write_bytes(args.output, (json.dumps(cv.to_dict(), indent=1, sort_keys=True) + "\n").encode())
@@ -88,27 +89,18 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _calibrate_from_logs(args: argparse.Namespace, fit: list[str]) -> Calibration:
     """``placement calibrate --from-logs``: one ladder row per training log (docs/runlogs.md),
     after the rows of ``ROWS`` when it is given; ``--write-rows`` keeps them as a ladder file."""
-    from placement.predict.calibration import calibrate as calibrate_rows, ladder_rows, read_ladder
+    from placement.api import calibrate, ladder_from_logs
     from placement.formats import atomic_write_bytes
-    from placement.sources.runlogs import rows_document, rows_from_logs
 
     if args.gpu is None:
         raise InvalidInputError("--gpu: required with --from-logs (a training log does not say the GPU kind)")
-    log_rows = rows_from_logs(args.from_logs, args.gpu, gpus=args.gpus, config=args.config)
-    doc = rows_document(log_rows)
-    rows = ladder_rows(doc, "--from-logs")
-    if args.rows is not None:
-        ladder = read_ladder(args.rows)
-        taken = {r.name for r in ladder}
-        clash = [r.name for r in rows if r.name in taken]
-        if clash:
-            raise InvalidInputError(f"--from-logs: a log's row name {clash[0]!r} is also a row of {args.rows} (rename the log)")
-        rows = ladder + rows
-    for row in log_rows:
+    logs = ladder_from_logs(args.from_logs, args.gpu, gpus=args.gpus, config=args.config, ladder=args.rows,
+                            where="--from-logs")
+    for row in logs.log_rows:
         print(f"{row['name']}: {row['family']} on {row['gpus']} {row['gpu']}, {row['note']}")
-    cal = calibrate_rows(rows, fit)
+    cal = calibrate(logs.rows, fit)
     if args.write_rows:
-        atomic_write_bytes(args.write_rows, (json.dumps(doc, indent=1) + "\n").encode())
+        atomic_write_bytes(args.write_rows, (json.dumps(logs.document, indent=1) + "\n").encode())
         print(f"wrote {args.write_rows}")
     return cal
 
@@ -120,13 +112,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     st = routing_stats(instance, distance=args.distance)
     drift = None
     if args.against is not None:
-        from placement.core.stats import routing_drift
+        from placement.api import routing_drift
 
-        other = load_instance(args.against)
-        try:
-            drift = routing_drift(instance, other)
-        except ValueError as exc:
-            raise InvalidInputError(f"{args.against}: {exc}") from None
+        drift = routing_drift(instance, load_instance(args.against), where=args.against)
         st["drift"] = drift
     if args.json:
         print(json.dumps(st, sort_keys=True))

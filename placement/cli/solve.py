@@ -20,10 +20,7 @@ if TYPE_CHECKING:
 
 
 def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) -> int:
-    from placement.api import FINISH_RESERVE_S, load_instance, result_document, solve
-    from placement.predict.report import report
-    from placement.formats import write_placement
-    from solvers.default import default_placement
+    from placement.api import SolveRequest, answer_reserve_s, default_layout_report, load_instance, save_result, solve
 
     if args.output:
         _check_output_path(args.output)
@@ -39,9 +36,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
               "is applied with --apply runtime|checkpoint", file=sys.stderr)
     # The default layout's report, for the comparison below; its time predicts the time needed
     # to score the solver's answer, which is kept back from the solver's share of the limit.
-    t0 = time.monotonic()
-    baseline = report(instance, default_placement(instance))
-    scoring_s = time.monotonic() - t0
+    default = default_layout_report(instance)
     stop.armed = True  # from here a first signal asks for the best placement so far
     try:
         with progress_bar(instance.model.num_moe_layers, "solve: expert maps", "layer", quiet=args.quiet) as bar:
@@ -49,8 +44,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             if messages is not None:
                 left_s = args.time_limit - (time.monotonic() - started_at)
                 messages(f"solving {instance.name} with {args.solver}: {left_s:.1f} s left of the {args.time_limit:g} s limit")
-            result = solve(
-                instance,
+            request = SolveRequest(
                 solver=args.solver,
                 time_limit_s=args.time_limit,
                 seed=args.seed,
@@ -64,24 +58,22 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
                 on_progress=bar.report,
                 started_at=started_at,
                 stop_event=stop.event,
-                finish_reserve_s=FINISH_RESERVE_S + 1.5 * scoring_s,
+                finish_reserve_s=answer_reserve_s(default.scoring_s),
                 **moves_kwargs,
                 fit=args.fit,
                 redundant_experts=args.redundant_experts,
                 replica_rule=args.replica_rule,
                 pipeline_split=not args.keep_pipeline_layout,
             )
+            result = solve(instance, request)
     except PlacementError:
         if stop.event.is_set():  # the failure follows the signal (e.g. it also killed worker processes)
             raise Interrupted(stop.signum or signal.SIGINT) from None
         raise
-    doc = result_document(instance, result)
-    if allocation is not None:  # which hosts the placement was solved for
-        doc["solve"]["details"]["allocation"] = {"hosts": allocation, "gpus": int(instance.cluster.available.sum())}
     interrupted = stop.event.is_set()
     signame = signal.Signals(stop.signum).name if stop.signum is not None else "a signal"
     if args.output:
-        write_placement(args.output, doc)
+        save_result(instance, result, args.output, allocation=allocation)
         if interrupted:
             print(f"placement: interrupted by {signame}: wrote the best placement found so far to {args.output}",
                   file=sys.stderr)
@@ -99,7 +91,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             "interrupted": interrupted,
             "output": args.output,
             "metrics": result.metrics,
-            "default_metrics": baseline,
+            "default_metrics": default.metrics,
         }
         if "moves" in result.details:
             out["moves"] = result.details["moves"]
@@ -108,7 +100,7 @@ def _cmd_solve(args: argparse.Namespace, started_at: float, stop: SignalStop) ->
             out["step_time_choice"] = {k: check[k] for k in ("returned", "choice_by_setting", "choice_differs")}
         print(json.dumps(out, sort_keys=True))
         return EXIT_OK
-    m, b = result.metrics, baseline
+    m, b = result.metrics, default.metrics
     print(f"{instance.name}: solver {result.solver}, status {result.status}, {result.wall_s:.1f} s wall")
     apply_mode = result.params.get("apply")
     if apply_mode is not None:
