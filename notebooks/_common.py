@@ -21,6 +21,8 @@ from placement.sources.instances import SPECS, build
 from placement.core.model import Cluster, Instance, Placement
 
 __all__ = [
+    "QUICK",
+    "budget_s",
     "SOLVER",
     "NUM_WORKERS",
     "pick_solver",
@@ -33,6 +35,16 @@ __all__ = [
     "gb",
     "small_png",
 ]
+
+
+#: ``PLACEMENT_NOTEBOOK_QUICK=1`` (tests/test_notebooks.py sets it): the same cells on shorter time
+#: budgets, to check that every cell runs; the committed outputs come from full runs without it.
+QUICK = os.environ.get("PLACEMENT_NOTEBOOK_QUICK") == "1"
+
+
+def budget_s(full: float, quick: float) -> float:
+    """A time budget: ``full`` seconds, or ``quick`` under :data:`QUICK`."""
+    return quick if QUICK else full
 
 
 def pick_solver() -> str:

@@ -189,7 +189,10 @@ def test_bounds_are_at_most_the_solvers_maps_on_committed_instances(name):
     r2g = default_rank2gpu(inst)
     modes = [False, True] if inst.model.num_groups > 1 else [False]
     for gp in modes:
-        for p in _first_and_last_straddling(inst, r2g, gp):
+        # Group-preserving bounds enumerate every class-to-group assignment (8! on the 8-domain
+        # instances, two minutes a layer on 2 cores): one straddling layer checks that path.
+        layers = _first_and_last_straddling(inst, r2g, gp)
+        for p in layers[:1] if gp else layers:
             nets = p.nets_all
             cap = p.load_cap(0.10)
             greedy = capped_greedy(p, linear_costs(p, nets), cap)

@@ -2,7 +2,9 @@
 
 Each notebook is executed with nbclient (kernel ``python3``, ``MPLBACKEND=Agg``) in a temporary
 directory holding a copy of ``notebooks/``, so the committed files (kept with their outputs for
-readers on GitHub) are never overwritten; figures go to a temporary ``PLACEMENT_FIGURES_DIR``.
+readers on GitHub) are never overwritten; figures go to a temporary ``PLACEMENT_FIGURES_DIR``.  ``PLACEMENT_NOTEBOOK_QUICK=1``
+runs the costly notebooks (``plan``) on shorter time budgets: the test checks that every cell runs
+and draws, not the committed figures (those come from full runs).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def _execute(nb, workdir: Path, monkeypatch) -> None:
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("PLACEMENT_FIGURES_DIR", str(workdir.parent / "figures"))
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
+    monkeypatch.setenv("PLACEMENT_NOTEBOOK_QUICK", "1")  # shorter budgets (notebooks/_common.py); every cell runs
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []
