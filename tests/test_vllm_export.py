@@ -16,6 +16,7 @@ extra has the few modules ``import vllm.distributed.eplb.eplb_state`` needs beyo
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 from types import SimpleNamespace
@@ -37,9 +38,14 @@ def eplb_module():
     ``import vllm`` sets environment variables (vllm/env_override.py), restored after this file."""
     global eplb
     saved = dict(os.environ)
-    eplb = pytest.importorskip(
-        "vllm.distributed.eplb.eplb_state", reason="vllm is not installed (.ci/run installs vllm==0.34.0 --no-deps)"
-    )
+    try:
+        eplb = importlib.import_module("vllm.distributed.eplb.eplb_state")
+    except ImportError as exc:
+        # .ci/run installs vllm and the consumers extra: there a failed import is a missing install
+        # step (a clean-clone rehearsal once skipped these tests for want of cloudpickle), not a skip.
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"vLLM's EPLB module does not import under CI: {exc}")
+        pytest.skip(f"vllm is not installed or incomplete ({exc}); .ci/run installs vllm==0.34.0 --no-deps")
     yield eplb
     os.environ.clear()
     os.environ.update(saved)
