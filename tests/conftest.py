@@ -9,6 +9,9 @@ import pytest
 
 from placement.core.model import Cluster, Instance, MoEModel, ParallelLayout, Placement, Routing
 
+# Under pytest-xdist, tests marked ``exclusive`` run alone (tests/machine_share.py).
+pytest_plugins = ("tests.machine_share",)
+
 ROOT = Path(__file__).resolve().parent.parent
 INSTANCES = ROOT / "instances"
 

@@ -233,6 +233,7 @@ def test_same_seed_same_maps_in_process_and_in_a_pool(tiny):
     assert plans[0].details == plans[1].details == plans[2].details
 
 
+@pytest.mark.exclusive  # a wall-clock bound (tests/machine_share.py)
 def test_a_stop_request_returns_default_maps_at_once(tiny):
     import threading
 

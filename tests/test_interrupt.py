@@ -33,6 +33,9 @@ from solvers.base import call_on_stop
 from solvers.default import default_placement
 from tests.conftest import INSTANCES, ROOT
 
+# Promptness bounds in wall-clock seconds: alone on the machine under pytest-xdist (tests/machine_share.py).
+pytestmark = pytest.mark.exclusive
+
 TINY = str(INSTANCES / "tiny.json")
 # The subprocess tests use the first of these that is registered: the slowest solvers first.
 SLOW_SOLVERS = ("cpsat", "kahypar", "packed", "eplb", "default")

@@ -362,6 +362,7 @@ def test_too_few_gpus_is_infeasible():
         _plan(_with_available(inst, available))
 
 
+@pytest.mark.exclusive  # a wall-clock bound (tests/machine_share.py)
 def test_deadline_is_honoured(tiny):
     t0 = time.monotonic()
     plan = plan_layout(tiny, SolveOptions(num_workers=1), deadline=t0 + 0.3)
@@ -505,6 +506,7 @@ def test_plan_is_valid_exact_and_no_worse_than_default(seed, down, mode, objecti
     assert [sum(c for _, c in f) for f in plan.details["stage_footprints"]] == [4, 4]
 
 
+@pytest.mark.exclusive  # a wall-clock bound (tests/machine_share.py)
 def test_a_stop_request_returns_a_valid_layout_at_once(tiny):
     import threading
 
@@ -695,6 +697,7 @@ def test_more_work_budget_never_gives_a_worse_layout():
 # ---------------------------------------------------------------------------------------------
 # the deadline: polled inside long steps, the best complete candidate returned at once
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.exclusive  # a wall-clock bound (tests/machine_share.py)
 def test_the_deadline_cuts_a_long_scoring_promptly(monkeypatch):
     """Each expert placement takes 0.2 s: scoring the default layout alone would take seconds; the
     layout polls the clock between layers and returns a valid layout soon after the deadline."""

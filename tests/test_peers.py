@@ -324,6 +324,7 @@ def test_kahypar_worker_reraises_the_childs_error(tiny):
 WIDE_SLACK_S = 20.0
 
 
+@pytest.mark.exclusive  # a wall-clock bound (tests/machine_share.py)
 def test_kahypar_honours_a_tiny_time_limit_inside_a_wide_layer():
     """Mt-KaHyPar cannot be interrupted; the peer kills its child at the deadline, keeps the best
     start finished by then and returns a valid placement."""
