@@ -29,6 +29,7 @@ from solvers.experts import (
     capped_greedy,
     linear_costs,
     net_crossings,
+    num_group_assignments,
     per_pair_class_bound,
     place_experts,
 )
@@ -166,6 +167,10 @@ def test_group_assignment_bound_is_exact_on_whole_groups_by_hand():
 # ---------------------------------------------------------------------------------------------
 # The committed instances: the raw bound is at most the crossings of the maps the solver finds
 # ---------------------------------------------------------------------------------------------
+# dsv3_ep256's first straddling layer takes about ten times as long for its group-preserving bound
+# as dsv3_256's (measured 298 s against 28.5 s on a loaded 2-core machine; the same 8! assignments
+# and 8,192 nets): the same code, checked on dsv3_256 and dsv3_1024.
+GP_UNCHECKED = {"dsv3_ep256"}
 COMMITTED = sorted(p.stem for p in INSTANCES.glob("*.json")
                    if json.loads(p.read_text()).get("kind") not in ("job", "cluster"))  # plan inputs are no instances
 
@@ -188,11 +193,15 @@ def test_bounds_are_at_most_the_solvers_maps_on_committed_instances(name):
     inst = read_instance(INSTANCES / f"{name}.json")
     r2g = default_rank2gpu(inst)
     modes = [False, True] if inst.model.num_groups > 1 else [False]
+    checked_gp = False
     for gp in modes:
-        # Group-preserving bounds enumerate every class-to-group assignment (8! on the 8-domain
-        # instances, two minutes a layer on 2 cores): one straddling layer checks that path.
+        # Group-preserving bounds enumerate every class-to-group assignment (8! = 40,320 on the
+        # dsv3 instances): one straddling layer checks that path, except on GP_UNCHECKED.
         layers = _first_and_last_straddling(inst, r2g, gp)
-        for p in layers[:1] if gp else layers:
+        if gp:
+            layers = [] if name in GP_UNCHECKED else layers[:1]
+            checked_gp = bool(layers) and num_group_assignments(layers[0]) == 40_320
+        for p in layers:
             nets = p.nets_all
             cap = p.load_cap(0.10)
             greedy = capped_greedy(p, linear_costs(p, nets), cap)
@@ -205,6 +214,8 @@ def test_bounds_are_at_most_the_solvers_maps_on_committed_instances(name):
             lb = layer_lower_bound(p, nets, None)
             assert bound_to_crossings(lb.crossings) <= best, (name, gp, p.layer, lb.info, best)
             assert lb.crossings > 0  # a straddling layer with sampled tokens has a positive bound
+    if name in ("dsv3_256", "dsv3_1024"):
+        assert checked_gp  # the group-preserving path, over all 8! assignments, on committed instances
 
 
 def test_tiny_solve_reports_a_bound_on_every_layer_below_its_crossings(tiny):
