@@ -298,8 +298,12 @@ def assert_complete_or_absent(code: int, text: str, out: Path, signum: int) -> N
 # their worker processes get the signal too): the promptness check is an expected failure for them.
 STOP_HOOK_PENDING: dict[str, str] = {}
 # With a 60 s limit, a solver that ignores the stop runs ~55 s more; one that honours it stops
-# within this (its layers in flight, checking, scoring and writing, on a loaded 2-core machine).
-PROMPT_STOP_S = 15.0
+# within this: its layers in flight, then checking, scoring and writing the answer, which every
+# solve pays (measured on dsv3_256, idle 2-core machine, 2026-12-07: the layers stopped 2.3 s after
+# SIGTERM, the file was written 11.1 s after it; 11.1-12.4 s over three runs, 15.3 s in a clean-clone
+# CI rehearsal). The bound is what a batch system leaves: Slurm sends SIGKILL KillWait seconds after
+# SIGTERM, 30 by default (slurm.conf); 25 s keeps 5 s of it. (It was 15 s, which the rehearsal broke.)
+PROMPT_STOP_S = 25.0
 
 
 def test_sigterm_to_a_solve_process_writes_its_best_placement_promptly(tmp_path):
