@@ -67,9 +67,9 @@ def random_placement(rng: np.random.Generator, inst: Instance) -> Placement:
 
 # Under pytest-xdist (``--dist loadfile``) files are handed to the workers in collection order, so
 # the suite ends when the last long file does: the long files go first, so that the many short ones
-# fill the end.  The files whose tests run alone (``exclusive``) go last: by then nothing that
-# .ci/run starts beside the suite (the type check without extras) still runs.  Seconds: one run on
-# the 2-core build machine.
+# fill the end.  Tests marked ``exclusive`` go last (a file of them after every other file, one
+# among other tests at the end of its file): by then nothing that .ci/run starts beside the suite
+# (the type check without extras) still runs.  Seconds: one run on the 2-core build machine.
 LONG_FILES_FIRST = (
     "test_notebooks.py",  # 260
     "test_calibration.py",  # 185
@@ -81,14 +81,13 @@ LONG_FILES_FIRST = (
     "test_instances.py",  # 35
     "stacks/test_megatron.py",  # 25
 )
-EXCLUSIVE_FILES_LAST = (
-    "test_interrupt.py",  # 40
-    "test_determinism_under_load.py",  # 100
-)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests_dir = Path(__file__).resolve().parent
     rank = {tests_dir / name: i for i, name in enumerate(LONG_FILES_FIRST)}
-    rank.update({tests_dir / name: len(items) + i for i, name in enumerate(EXCLUSIVE_FILES_LAST)})
-    items.sort(key=lambda item: rank.get(Path(item.path), len(LONG_FILES_FIRST)))  # stable: the rest keep their order
+
+    def key(item: pytest.Item) -> tuple[bool, int]:
+        return item.get_closest_marker("exclusive") is not None, rank.get(Path(item.path), len(rank))
+
+    items.sort(key=key)  # stable: the rest keep their order
