@@ -411,10 +411,14 @@ def test_a_pool_whose_workers_cannot_start_ends_by_the_deadline(initializer, cap
     assert check(inst, Placement(r2g, plan.phy2log)) == []
 
 
-def test_an_os_error_while_the_pool_starts_a_worker_is_a_broken_pool(monkeypatch, caplog):
-    """``submit`` failing with ``OSError: handle is closed`` (the executor closed its queues after a
-    worker died, before it marked itself broken) takes the broken-pool path: the remaining layers
-    are solved in-process and the placement is valid, instead of the error reaching the caller."""
+@pytest.mark.parametrize("error", [OSError("handle is closed"), ValueError("bad value(s) in fds_to_keep")],
+                         ids=["handle_closed", "fd_reused"])
+def test_an_os_error_while_the_pool_starts_a_worker_is_a_broken_pool(error, monkeypatch, caplog):
+    """``submit`` failing with ``OSError: handle is closed`` or ``ValueError: bad value(s) in
+    fds_to_keep`` (the executor closed its queues after a worker died, before it marked itself
+    broken; in the second a new pipe reused a closed descriptor's number) takes the broken-pool
+    path: the remaining layers are solved in-process and the placement is valid, instead of the
+    error reaching the caller."""
     import solvers.experts.pool as pool_module
     from placement.formats import read_instance
     from tests.conftest import INSTANCES
@@ -425,7 +429,7 @@ def test_an_os_error_while_the_pool_starts_a_worker_is_a_broken_pool(monkeypatch
         def submit(self, *args, **kwargs):
             ClosingPool.calls += 1
             if ClosingPool.calls == 2:
-                raise OSError("handle is closed")
+                raise error
             return super().submit(*args, **kwargs)
 
     monkeypatch.setattr(pool_module, "ProcessPoolExecutor", ClosingPool)
@@ -436,8 +440,26 @@ def test_an_os_error_while_the_pool_starts_a_worker_is_a_broken_pool(monkeypatch
         plan = place_experts(inst, r2g, SolveOptions(time_limit_s=20, seed=1, num_workers=2), deadline=t0 + 20,
                              deterministic_time=2.0, use_pool=True)
     assert ClosingPool.calls >= 2
-    assert "process pool broke" in caplog.text and "handle is closed" in caplog.text
+    assert "process pool broke" in caplog.text and str(error) in caplog.text
     assert check(inst, Placement(r2g, plan.phy2log)) == []
+
+
+def test_only_the_reused_descriptor_value_error_of_submit_is_a_broken_pool():
+    """The broken-pool reading of ``submit``'s ``ValueError`` is kept to the one message CPython
+    gives for a descriptor passed twice; any other ``ValueError`` is a bug and reaches the caller."""
+    import solvers.experts.pool as pool_module
+
+    class FailingPool:
+        def __init__(self, error):
+            self.error = error
+
+        def submit(self, *args, **kwargs):
+            raise self.error
+
+    with pytest.raises(pool_module.BrokenProcessPool, match="fds_to_keep"):
+        pool_module._submit(FailingPool(ValueError("bad value(s) in fds_to_keep")), None)
+    with pytest.raises(ValueError, match="something else"):
+        pool_module._submit(FailingPool(ValueError("something else")), None)
 
 
 def test_a_stop_request_reaches_the_pool_workers_and_their_layers_answer(caplog):

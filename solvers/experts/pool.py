@@ -214,12 +214,19 @@ def _one_blas_thread_env() -> Iterator[None]:
 def _submit(pool: ProcessPoolExecutor, task: LayerTask) -> Any:
     """``pool.submit`` of one layer.  A worker that dies while ``submit`` starts another one can leave
     the executor with its queues closed before it is marked broken; starting the new process then
-    fails with ``OSError: handle is closed`` (CPython 3.11; python/cpython#80462 and #83279 are the
-    same family).  That is a broken pool: raised as :class:`BrokenProcessPool`, so the caller's
-    in-process fallback takes over, as for every other way a worker dies."""
+    fails (CPython 3.11; python/cpython#80462 and #83279 are the same family) in one of two ways:
+    ``OSError: handle is closed``, or, when a new pipe has already reused a closed queue's file
+    descriptor number, ``ValueError: bad value(s) in fds_to_keep`` (the same number passed to the
+    child twice; seen in a CI run with an initializer that exits).  Either is a broken pool: raised
+    as :class:`BrokenProcessPool`, so the caller's in-process fallback takes over, as for every other
+    way a worker dies.  Any other ``ValueError`` is a bug and propagates."""
     try:
         return pool.submit(_pool_task, task)
     except OSError as exc:
+        raise BrokenProcessPool(f"a worker died while the pool started another ({exc})") from exc
+    except ValueError as exc:
+        if "fds_to_keep" not in str(exc):
+            raise
         raise BrokenProcessPool(f"a worker died while the pool started another ({exc})") from exc
 
 
