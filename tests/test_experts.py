@@ -233,6 +233,42 @@ def test_same_seed_same_maps_in_process_and_in_a_pool(tiny):
     assert plans[0].details == plans[1].details == plans[2].details
 
 
+def test_the_pool_workers_payload_file_is_removed_and_an_unwritable_one_solves_in_process(tiny, tmp_path,
+                                                                                          monkeypatch, caplog):
+    """The pool's workers read the instance from a temporary file (so that a worker dying while it
+    starts cannot block the parent in a pipe write): the file is gone when the solve returns, and
+    when it cannot be written the layers are solved in this process, with the same maps."""
+    import tempfile
+
+    import solvers.experts.pool as pool_module
+
+    inst = tiny.for_solver()
+    r2g = default_rank2gpu(inst)
+    opts = SolveOptions(time_limit_s=8, seed=3, num_workers=2, apply="checkpoint")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    written: list[str] = []
+    real_write = pool_module._write_worker_payload
+
+    def recording_write(worker):
+        written.append(real_write(worker))
+        return written[-1]
+
+    monkeypatch.setattr(pool_module, "_write_worker_payload", recording_write)
+    pooled = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, deterministic_time=0.5, use_pool=True)
+    assert len(written) == 1 and written[0].startswith(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+    def full_disk(worker):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pool_module, "_write_worker_payload", full_disk)
+    with caplog.at_level("WARNING", logger="solvers.experts.pool"):
+        fallback = place_experts(inst, r2g, opts, deadline=time.monotonic() + 60, deterministic_time=0.5,
+                                 use_pool=True)
+    assert "cannot write the pool workers' payload" in caplog.text and "No space left" in caplog.text
+    assert np.array_equal(pooled.phy2log, fallback.phy2log)
+
+
 @pytest.mark.exclusive  # a wall-clock bound (tests/machine_share.py)
 def test_a_stop_request_returns_default_maps_at_once(tiny):
     import threading

@@ -15,8 +15,10 @@ import contextlib
 import logging
 import math
 import os
+import pickle
 import signal
 import sys
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -151,17 +153,44 @@ def _valid_map(row: np.ndarray, model: MoEModel, group_preserving: bool) -> bool
 _CHILD_WORKER: list[LayerWorker] = []
 
 
-def _init_pool_worker(instance: Instance, rank2gpu: np.ndarray, group_preserving: bool,
-                      validation_fraction: float, stop_flag: Any = None) -> None:
-    """Pool initializer: leave SIGINT/SIGTERM to the parent (it stops the solve and kills us).
+def _init_pool_worker(payload_path: str, stop_flag: Any = None) -> None:
+    """Pool initializer: leave SIGINT/SIGTERM to the parent (it stops the solve and kills us), then
+    build this process's :class:`LayerWorker` from the payload file the parent wrote
+    (:func:`_write_worker_payload`).
 
     ``stop_flag`` (a ``multiprocessing`` event of the pool's context) is the parent's stop request
     relayed to this process: the layers poll it as they poll their deadline and return their best
     map so far."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(payload_path, "rb") as f:
+        instance, rank2gpu, group_preserving, validation_fraction = pickle.load(f)
     options = SolveOptions(stop_event=stop_flag) if stop_flag is not None else None
     _CHILD_WORKER[:] = [LayerWorker(instance, rank2gpu, group_preserving, validation_fraction, options)]
+
+
+def _write_worker_payload(worker: LayerWorker) -> str:
+    """Write what every pool worker needs (the instance, the rank layout, the map rules) to a private
+    temporary file, once, and return its path; the workers' initializer reads it.
+
+    Why a file and not the initializer's arguments: "spawn" sends a new process its arguments
+    through a pipe whose read end the parent itself keeps open until the write ends.  A child that
+    dies before it has read them all (the pool breaking while it starts, a worker killed from
+    outside) then leaves the parent blocked in that write for ever, inside ``submit``, past any
+    deadline.  The instance pickles to 7.6 MB for dsv3_256, far beyond a pipe's 64 KiB; a stress
+    loop of pools whose workers exit at once, with a 1 MB argument, hung 3 times in about 400
+    pools.  With a path the pipe carries 1.9 KB per child (measured on dsv3_256), which it takes
+    without blocking."""
+    fd, path = tempfile.mkstemp(prefix="placement-experts-", suffix=".pickle")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump((worker.instance, worker.rank2gpu, worker.group_preserving, worker.validation_fraction),
+                        f, protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return path
 
 
 def _pool_task(task: LayerTask) -> LayerOutcome:
@@ -233,6 +262,27 @@ def _submit(pool: ProcessPoolExecutor, task: LayerTask) -> Any:
 def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: LayerWorker,
               finished: Callable[[LayerOutcome], None], outcomes: dict[int, LayerOutcome],
               options: SolveOptions, initializer: Callable[..., None] | None = None) -> None:
+    """Run layer tasks in a pool of ``workers`` spawned processes (:func:`_run_pool_from`) with the
+    workers' payload in a temporary file, removed when the pool has ended; when that file cannot be
+    written (a full or read-only temporary folder) the layers are solved in this process."""
+    try:
+        payload = _write_worker_payload(worker)
+    except OSError as exc:
+        log.warning("expert placement: cannot write the pool workers' payload (%s); solving in-process", exc)
+        for task in tasks:
+            if task.layer not in outcomes:
+                finished(worker.solve(task))
+        return
+    try:
+        _run_pool_from(payload, tasks, workers, deadline, worker, finished, outcomes, options, initializer)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(payload)
+
+
+def _run_pool_from(payload: str, tasks: list[LayerTask], workers: int, deadline: float, worker: LayerWorker,
+                   finished: Callable[[LayerOutcome], None], outcomes: dict[int, LayerOutcome],
+                   options: SolveOptions, initializer: Callable[..., None] | None = None) -> None:
     """Run layer tasks in a pool of ``workers`` spawned processes until done, the deadline or a stop.
 
     The parent polls :meth:`SolveOptions.should_stop` while it waits.  At a stop request it relays
@@ -247,7 +297,7 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
     """
     ctx = get_context("spawn")
     stop_flag = ctx.Event()
-    init_args = (worker.instance, worker.rank2gpu, worker.group_preserving, worker.validation_fraction, stop_flag)
+    init_args = (payload, stop_flag)
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                                initializer=initializer or _init_pool_worker, initargs=init_args)
     futures: dict = {}
@@ -437,9 +487,9 @@ def place_experts(
     use_pool : solve layers in a process pool (``None``: when the instance has at least
         ``POOL_MIN_PAIRS`` sampled (token, expert) pairs on straddling layers and more than one
         worker; starting processes costs seconds).  The maps do not depend on it.
-    pool_initializer : the pool's worker initializer, called in each child with ``(instance,
-        rank2gpu, group_preserving, validation_fraction)`` (default: the one that builds the child's
-        :class:`LayerWorker`); a parameter so that tests can make the workers fail to start.
+    pool_initializer : the pool's worker initializer, called in each child with ``(payload_path,
+        stop_flag)`` (default: the one that builds the child's :class:`LayerWorker` from the
+        payload file); a parameter so that tests can make the workers fail to start.
     moves : move-aware re-placement (:mod:`solvers.experts.moves`): each layer also builds candidate
         maps between the previous map and its solved one, and one per layer is chosen under the
         budget or the move cost; layers left at a fallback map keep ``hint_phy2log`` (pass the
