@@ -4,7 +4,8 @@ Each notebook is executed with nbclient (kernel ``python3``, ``MPLBACKEND=Agg``)
 directory holding a copy of ``notebooks/``, so the committed files (kept with their outputs for
 readers on GitHub) are never overwritten; figures go to a temporary ``PLACEMENT_FIGURES_DIR``.  ``PLACEMENT_NOTEBOOK_QUICK=1``
 runs the notebooks on shorter time budgets (``notebooks/_common.py``, ``budget_s``: 1.5-3 s per
-solve instead of 3-8 s, fewer points on the time-limit curve): the test checks that every cell runs
+solve instead of 3-10 s, plan.ipynb's job plan 28 s instead of 44 s, fewer points on the time-limit
+curve, no 4,096-GPU job in throughput.ipynb): the test checks that every cell runs
 and draws, not the committed figures (those come from full runs).
 """
 

@@ -251,12 +251,19 @@ def _submit(pool: ProcessPoolExecutor, task: LayerTask) -> Any:
     way a worker dies.  Any other ``ValueError`` is a bug and propagates."""
     try:
         return pool.submit(_pool_task, task)
-    except OSError as exc:
-        raise BrokenProcessPool(f"a worker died while the pool started another ({exc})") from exc
-    except ValueError as exc:
-        if "fds_to_keep" not in str(exc):
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "fds_to_keep" not in str(exc):
             raise
         raise BrokenProcessPool(f"a worker died while the pool started another ({exc})") from exc
+
+
+def _solve_unsolved_here(tasks: list[LayerTask], worker: LayerWorker, finished: Callable[[LayerOutcome], None],
+                         outcomes: dict[int, LayerOutcome]) -> None:
+    """The layers of ``tasks`` no outcome holds yet, solved in this process (each checks the deadline
+    first: past it, the layer keeps its fallback map)."""
+    for task in tasks:
+        if task.layer not in outcomes:
+            finished(worker.solve(task))
 
 
 def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: LayerWorker,
@@ -269,9 +276,7 @@ def _run_pool(tasks: list[LayerTask], workers: int, deadline: float, worker: Lay
         payload = _write_worker_payload(worker)
     except OSError as exc:
         log.warning("expert placement: cannot write the pool workers' payload (%s); solving in-process", exc)
-        for task in tasks:
-            if task.layer not in outcomes:
-                finished(worker.solve(task))
+        _solve_unsolved_here(tasks, worker, finished, outcomes)
         return
     try:
         _run_pool_from(payload, tasks, workers, deadline, worker, finished, outcomes, options, initializer)
@@ -329,9 +334,7 @@ def _run_pool_from(payload: str, tasks: list[LayerTask], workers: int, deadline:
         log.warning("expert placement: the process pool broke (%s); solving the rest in-process", exc)
         _kill_workers(pool)
         pool.shutdown(wait=False, cancel_futures=True)
-        for task in tasks:  # each checks the deadline first: past it, the layer keeps its fallback map
-            if task.layer not in outcomes:
-                finished(worker.solve(task))
+        _solve_unsolved_here(tasks, worker, finished, outcomes)
         return
     if reason is None:
         pool.shutdown(wait=True)
